@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up if needed, then run the whole test suite (multi-process tests launch real mpirun jobs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,146 @@
+"""Checkpoints in nanotron's format, written atomically, and auto-resume from ``latest.txt``.
+
+A save goes to a hidden temporary folder, every file is fsynced, then one rank renames the folder into place
+and replaces ``latest.txt`` (write temp file, fsync, ``os.replace``). A process killed mid-save leaves the
+previous checkpoint and ``latest.txt`` valid. A relative ``checkpoints.checkpoints_path`` lives in the run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import nanotron_recover.nanotron_compat  # noqa: F401
+from nanotron.serialize import load_weights, save_meta, save_weights
+from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
+
+from nanotron_recover.config import RecoverConfig
+
+if TYPE_CHECKING:
+    from nanotron_recover.trainer import RecoverTrainer
+
+LATEST = "latest.txt"
+STATE_FILE = "trainer_state.json"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def resolve_checkpoint(path: Path) -> Path | None:
+    """A checkpoint folder, or a folder holding ``latest.txt`` -> the checkpoint it names (None if none)."""
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    return path if (path / STATE_FILE).is_file() else None
+
+
+class CheckpointManager:
+    def __init__(self, config: RecoverConfig, run_dir: Path) -> None:
+        self.config = config
+        args = config.checkpoints
+        self.interval = args.checkpoint_interval if args is not None else None
+        root = Path(args.checkpoints_path) if args is not None else Path("checkpoints")
+        self.root = root if root.is_absolute() else Path(run_dir) / root
+        self.resume_path = Path(args.resume_checkpoint_path) if args and args.resume_checkpoint_path else None
+
+    def due(self, step: int) -> bool:
+        return self.interval is not None and step % self.interval == 0
+
+    def latest(self) -> Path | None:
+        return resolve_checkpoint(self.root) if self.root.is_dir() else None
+
+    def save(
+        self,
+        trainer: "RecoverTrainer",
+        step: int,
+        *,
+        writer: bool,
+        barrier: Callable[[], None],
+        publisher: bool,
+        extra_state: dict | None = None,
+    ) -> None:
+        """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place."""
+        if not writer:
+            return
+        tmp = self.root / f".tmp-step-{step}"
+        final = self.root / str(step)
+        if publisher:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        pc = trainer.parallel_context
+        save_weights(trainer.dp.unwrapped_model, pc, tmp)
+        save_optimizer(trainer.optimizer, pc, tmp)
+        save_lr_scheduler(trainer.lr_scheduler, pc, tmp)
+        save_meta(pc, tmp, {"last_train_step": step, "consumed_train_samples": step * trainer.M * self.config.tokens.micro_batch_size})
+        _fsync_tree(tmp)
+        barrier()
+        if not publisher:
+            return
+        state = {"step": step, "microbatches_per_step": trainer.M, **(extra_state or {})}
+        write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2))
+        if final.exists():
+            old = self.root / f".old-step-{step}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        write_atomically(self.root / LATEST, f"{step}\n")
+
+    def resume_source(self) -> Path | None:
+        """The explicit ``resume_checkpoint_path`` if set, else this run's own latest checkpoint (auto-resume)."""
+        if self.resume_path is not None:
+            found = resolve_checkpoint(self.resume_path)
+            if found is None:
+                raise FileNotFoundError(f"checkpoints.resume_checkpoint_path: no checkpoint at {self.resume_path}")
+            return found
+        return self.latest()
+
+    def maybe_resume(self, trainer: "RecoverTrainer") -> int:
+        """Load model, optimizer and LR scheduler from the resume source; return the step to continue after."""
+        source = self.resume_source()
+        if source is None:
+            return 0
+        pc = trainer.parallel_context
+        load_weights(trainer.dp.unwrapped_model, pc, source)
+        load_optimizer(trainer.optimizer, pc, source, map_location=str(trainer.device))
+        load_lr_scheduler(trainer.lr_scheduler, source)
+        state = json.loads((source / STATE_FILE).read_text())
+        if state["microbatches_per_step"] != trainer.M:
+            raise ValueError(
+                f"{source} was trained with {state['microbatches_per_step']} microbatches per step, this run has "
+                f"{trainer.M}: the samples of each step would differ"
+            )
+        print(f"[nanotron-recover] resumed from {source} at step {state['step']}", flush=True)
+        return int(state["step"])

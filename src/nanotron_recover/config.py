@@ -1,0 +1,197 @@
+"""``RecoverConfig``: nanotron's ``Config`` plus an optional ``fault_tolerance:`` section.
+
+A stock nanotron 0.4 YAML loads unchanged (no section means fault tolerance off: the stock data path).
+Everything that can be checked without starting a process is checked by :func:`validate`, so a bad config
+fails in the launcher with a message naming the key, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import order)
+import dacite
+import yaml
+from nanotron.config import Config, DataArgs, LlamaConfig, PretrainDatasetsArgs, get_config_from_dict
+from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
+
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+@dataclass
+class FailureInjection:
+    """SIGKILL one process of ``replica`` (its ``rank`` within the replica) at ``phase`` of ``step``."""
+
+    step: int
+    replica: int
+    rank: int = 0
+    phase: str = "backward"
+
+
+@dataclass
+class FaultToleranceArgs:
+    """The ``fault_tolerance:`` section.
+
+    Args:
+        enabled: ReCoVer path (ULFM cross-replica reduction). False: stock nanotron data path.
+        min_replicas: below this many live replicas the run saves a checkpoint and stops (exit code 3).
+        spare_replicas: idle replicas that replace failed ones before quotas grow on the survivors.
+        collective_timeout_s: timeout of every torch process group inside a replica (safety net).
+        reduce_bucket_mb: size of the flat fp32 gradient buckets reduced across replicas.
+        inject: a deterministic failure schedule (tests, benchmarks): real SIGKILLs.
+    """
+
+    enabled: bool = True
+    min_replicas: int = 1
+    spare_replicas: int = 0
+    collective_timeout_s: float = 60.0
+    reduce_bucket_mb: float = 4.0
+    inject: List[FailureInjection] = field(default_factory=list)
+
+
+@dataclass
+class TokenizedDatasetArgs:
+    """A folder of datatrove token files (``*.ds``), as written by ``nanotron-recover prepare-data``."""
+
+    dataset_folder: str
+    shuffle: bool = True
+
+
+@dataclass
+class RecoverDataArgs(DataArgs):
+    """nanotron's ``data:`` section; ``dataset`` may also be a datatrove folder, or null for synthetic tokens."""
+
+    dataset: Optional[Union[TokenizedDatasetArgs, PretrainDatasetsArgs]] = None
+    seed: Optional[int] = None
+
+
+@dataclass
+class RecoverConfig(Config):
+    data: Optional[RecoverDataArgs] = None
+    fault_tolerance: Optional[FaultToleranceArgs] = None
+
+    @property
+    def ft_enabled(self) -> bool:
+        return self.fault_tolerance is not None and self.fault_tolerance.enabled
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.parallelism.tp * self.parallelism.pp
+
+    @property
+    def spare_replicas(self) -> int:
+        return self.fault_tolerance.spare_replicas if self.ft_enabled else 0
+
+    @property
+    def world_size(self) -> int:
+        return (self.parallelism.dp + self.spare_replicas) * self.ranks_per_replica
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """M: global microbatches committed by every step (the failure-free run's count)."""
+        return self.parallelism.dp * self.tokens.batch_accumulation_per_replica
+
+
+def _fault_tolerance_from_dict(section: Any) -> Optional[FaultToleranceArgs]:
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ConfigError(f"fault_tolerance: expected a mapping, got {type(section).__name__}")
+    try:
+        return dacite.from_dict(FaultToleranceArgs, section, config=dacite.Config(strict=True))
+    except dacite.UnexpectedDataError as e:
+        allowed = ", ".join(f.name for f in dataclasses.fields(FaultToleranceArgs))
+        raise ConfigError(f"fault_tolerance: unknown key(s) {sorted(e.keys)}; allowed: {allowed}") from None
+    except dacite.WrongTypeError as e:
+        raise ConfigError(f"fault_tolerance.{e.field_path}: expected {e.field_type}, got {e.value!r}") from None
+    except dacite.MissingValueError as e:
+        raise ConfigError(f"fault_tolerance.{e.field_path}: missing value") from None
+
+
+def config_from_dict(raw: dict) -> RecoverConfig:
+    """Load a nanotron YAML dict (optionally with ``fault_tolerance:``) and validate it."""
+    if not isinstance(raw, dict):
+        raise ConfigError("the config file must hold a YAML mapping")
+    raw = dict(raw)
+    ft = _fault_tolerance_from_dict(raw.pop("fault_tolerance", None))
+    config = get_config_from_dict(raw, config_class=RecoverConfig)
+    if isinstance(config.model.model_config, dict):
+        config.model.model_config = LlamaConfig(**config.model.model_config)
+    config.fault_tolerance = ft
+    validate(config)
+    return config
+
+
+def load_config(path: str | os.PathLike) -> RecoverConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    try:
+        return config_from_dict(raw)
+    except ConfigError:
+        raise
+    except (dacite.DaciteError, TypeError, KeyError, AssertionError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(config: RecoverConfig) -> None:
+    """Checks that need no process: sizes, the failure schedule, the fault-tolerance settings."""
+    par, tok = config.parallelism, config.tokens
+    _check(tok is not None, "tokens", "section is required for training")
+    for key in ("dp", "tp", "pp"):
+        _check(getattr(par, key) >= 1, f"parallelism.{key}", f"must be >= 1, got {getattr(par, key)}")
+    _check(tok.micro_batch_size >= 1, "tokens.micro_batch_size", "must be >= 1")
+    _check(tok.batch_accumulation_per_replica >= 1, "tokens.batch_accumulation_per_replica", "must be >= 1")
+    _check(tok.train_steps >= 1, "tokens.train_steps", "must be >= 1")
+    _check(tok.sequence_length >= 2, "tokens.sequence_length", "must be >= 2")
+    model = config.model.model_config
+    _check(model.num_attention_heads % par.tp == 0, "model.model_config.num_attention_heads",
+           f"{model.num_attention_heads} is not divisible by parallelism.tp={par.tp}")
+    _check(model.num_key_value_heads % par.tp == 0, "model.model_config.num_key_value_heads",
+           f"{model.num_key_value_heads} is not divisible by parallelism.tp={par.tp}")
+    _check(model.num_hidden_layers >= par.pp, "parallelism.pp",
+           f"{par.pp} pipeline stages for {model.num_hidden_layers} layers")
+    if par.tp_mode is TensorParallelLinearMode.REDUCE_SCATTER:
+        _check(tok.micro_batch_size * tok.sequence_length % par.tp == 0, "tokens.sequence_length",
+               "micro_batch_size * sequence_length must be divisible by tp in REDUCE_SCATTER mode")
+    if config.checkpoints is not None:
+        _check(config.checkpoints.checkpoint_interval >= 1, "checkpoints.checkpoint_interval", "must be >= 1")
+    ft = config.fault_tolerance
+    if ft is None:
+        return
+    n_replicas = par.dp + ft.spare_replicas
+    _check(ft.spare_replicas >= 0, "fault_tolerance.spare_replicas", f"must be >= 0, got {ft.spare_replicas}")
+    _check(1 <= ft.min_replicas <= par.dp, "fault_tolerance.min_replicas",
+           f"must be between 1 and parallelism.dp={par.dp}, got {ft.min_replicas}")
+    _check(ft.collective_timeout_s > 0, "fault_tolerance.collective_timeout_s", "must be > 0")
+    _check(ft.reduce_bucket_mb > 0, "fault_tolerance.reduce_bucket_mb", "must be > 0")
+    for i, inj in enumerate(ft.inject):
+        key = f"fault_tolerance.inject[{i}]"
+        _check(inj.phase in PHASES, f"{key}.phase", f"{inj.phase!r} is not one of {', '.join(PHASES)}")
+        _check(1 <= inj.step <= tok.train_steps, f"{key}.step", f"{inj.step} is outside 1..{tok.train_steps}")
+        _check(0 <= inj.replica < n_replicas, f"{key}.replica",
+               f"{inj.replica} is outside 0..{n_replicas - 1} (dp + spare_replicas)")
+        _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
+               f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (tp * pp ranks per replica)")
+        if inj.phase == "checkpoint":
+            _check(config.checkpoints is not None and inj.step % config.checkpoints.checkpoint_interval == 0,
+                   f"{key}.step", "a 'checkpoint' failure needs a step at which a checkpoint is saved")
+    if ft.enabled and ft.inject:
+        killed = {inj.replica for inj in ft.inject}
+        if len(killed) > n_replicas - 1:
+            raise ConfigError("fault_tolerance.inject: the schedule kills every replica; none would be left")

@@ -1,0 +1,133 @@
+"""The ULFM repair protocol: Revoke -> Shrink -> commit Agree -> rebuild, repeated until it sticks.
+
+Runs on every survivor of the world communicator, including the alive ranks of a failed replica: they take
+part so that ``Shrink`` never waits on them, and leave through a ``Split`` with ``MPI.UNDEFINED`` only after
+the commit ``Agree`` (before it, a new failure restarts the loop and still needs them).
+
+Why the failed set is identical everywhere: it is ``members(before) - members(Shrink result)`` and ``Shrink``
+returns the same group on every survivor; every loop round starts from the same communicator because the
+commit ``Agree`` is uniform (all survivors retry, or none does).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from mpi4py import MPI
+
+from .errors import FailureDetected, error_class
+from .events import RepairEvent
+from .layout import ReplicaLayout, original_ranks, split_coord_comm, try_revoke
+
+MAX_ATTEMPTS = 16
+# Agree flags on the world communicator: bit 0 is the caller's flag, bit 1 says "not repairing".
+HEALTHY_BIT = 2
+ENTRY_FLAG = 0
+
+
+@dataclass
+class RepairOutcome:
+    """What the caller installs after a repair (``world_comm``/``coord_comm`` are None for an evicted rank)."""
+
+    world_comm: MPI.Comm | None
+    coord_comm: MPI.Comm | None
+    live_ranks: list[int]
+    event: RepairEvent
+    evicted: bool
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_repair(
+    world_comm: MPI.Comm,
+    coord_comm: MPI.Comm | None,
+    live_ranks: Sequence[int],
+    original_group: MPI.Group,
+    layout: ReplicaLayout,
+    my_rank: int,
+    active_replicas: Sequence[int],
+    new_epoch: int,
+) -> RepairOutcome:
+    """Collective among all survivors of ``world_comm``; see the module docstring."""
+    t_start = time.perf_counter()
+    event = RepairEvent(new_epoch, [], [], [], [], [])
+
+    t0 = time.perf_counter()
+    try_revoke(coord_comm)
+    try_revoke(world_comm)
+    # Revoke interrupts every operation except Agree: a peer may sit in its commit ``FTWorld.agree`` on this
+    # communicator and would wait there for us forever.  Our matching Agree (with the "repairing" bit clear)
+    # completes it, uniformly, as a failure everywhere; then everybody meets in Shrink.
+    try:
+        world_comm.Agree(ENTRY_FLAG)
+    except MPI.Exception:
+        pass
+    event.revoke_ms = _ms(t0)
+
+    comm = world_comm
+    before = set(live_ranks)
+    last_class = -1
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        event.attempts = attempt
+        t0 = time.perf_counter()
+        try:
+            shrunk = comm.Shrink()
+        except MPI.Exception as exc:  # should not happen (Shrink is fault tolerant); try again on the same comm
+            event.shrink_ms += _ms(t0)
+            last_class = error_class(exc)
+            continue
+        event.shrink_ms += _ms(t0)
+        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        members = original_ranks(shrunk, original_group)
+        dead = sorted(before - set(members))
+        failed_replicas = layout.replicas_of(dead)
+        evicted_ranks = sorted(r for r in members if layout.replica_of(r) in set(failed_replicas))
+        evicted = my_rank in evicted_ranks
+        new_active = [r for r in active_replicas if r not in set(failed_replicas)]
+
+        # Rebuild the new communicators (the evicted take part in the first split only, with UNDEFINED).
+        t0 = time.perf_counter()
+        new_world: MPI.Comm | None = None
+        new_coord: MPI.Comm | None = None
+        ok = 1
+        try:
+            new_world = shrunk.Split(MPI.UNDEFINED if evicted else 0, my_rank)
+            if new_world == MPI.COMM_NULL:
+                new_world = None
+            if new_world is not None:
+                new_world.Set_errhandler(MPI.ERRORS_RETURN)
+                new_coord = split_coord_comm(new_world, layout, my_rank, new_active)
+        except MPI.Exception:
+            ok = 0
+            try_revoke(new_world)  # a peer may be blocked in the coord split: release it
+            try_revoke(shrunk)
+        event.rebuild_ms += _ms(t0)
+
+        # Commit: uniform agreement that every survivor (evicted included) finished the rebuild.
+        t0 = time.perf_counter()
+        try:
+            ok = shrunk.Agree(ok)
+        except MPI.Exception as exc:
+            ok, last_class = 0, error_class(exc)
+        event.agree_ms += _ms(t0)
+        if not ok:
+            try_revoke(new_coord)
+            try_revoke(new_world)
+            try_revoke(shrunk)
+            comm = shrunk
+            continue
+
+        event.failed_ranks = dead
+        event.failed_replicas = failed_replicas
+        event.evicted_ranks = evicted_ranks
+        event.active_replicas = new_active
+        live = [] if evicted else original_ranks(new_world, original_group)  # type: ignore[arg-type]
+        event.live_replicas = layout.replicas_of(r for r in members if r not in set(evicted_ranks))
+        event.total_ms = _ms(t_start)
+        return RepairOutcome(new_world, new_coord, live, event, evicted)
+
+    raise FailureDetected("repair", last_class, new_epoch - 1, f"gave up after {MAX_ATTEMPTS} attempts")

@@ -1,0 +1,348 @@
+"""``FTWorld``: the one door for cross-replica communication over Open MPI ULFM.
+
+It owns the world communicator (all live ranks, spares included), the coordinate communicator (my local rank
+across the *active* replicas), the world epoch (+1 per repair) and the failure watcher.  Collectives either
+complete or raise :class:`FailureDetected`; after that the caller runs :meth:`repair` on every survivor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Literal, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import FailureDetected, ReplicaEvicted, error_class
+from .events import RepairEvent
+from .layout import ReplicaLayout, original_ranks, split_coord_comm, try_revoke
+from .repair import HEALTHY_BIT, run_repair
+from .watcher import FailureWatcher
+
+CommName = Literal["coord", "world"]
+LogFn = Callable[[str], None]
+
+
+def _stderr_log(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+class FTWorld:
+    """Replica-granular fault-tolerant world.
+
+    Args:
+        comm: the communicator to build on (duplicated; the original is never used for traffic).
+        ranks_per_replica: TP x PP ranks of one replica.
+        active_replicas: replicas that take part in the data-parallel reduction; the others are spares.
+            Default: all.
+        watch: start the early-notice watcher thread (needed to release a rank stuck in intra-replica torch
+            traffic when a replica-mate dies).
+        fail_fast: a collective refuses to start (revokes + raises) once the watcher knows of a death among the
+            live ranks, instead of running into it.
+        log: where one-line messages go (default: stderr, flushed).
+        on_evict: called (in the watcher thread) just before the watcher ends an evicted process with exit code 0.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm = MPI.COMM_WORLD,
+        ranks_per_replica: int = 1,
+        active_replicas: Sequence[int] | None = None,
+        *,
+        watch: bool = True,
+        fail_fast: bool = True,
+        log: LogFn | None = None,
+        on_evict: Callable[[ReplicaEvicted], None] | None = None,
+    ) -> None:
+        self.layout = ReplicaLayout(comm.Get_size(), ranks_per_replica)
+        self.rank: int = comm.Get_rank()
+        self.replica: int = self.layout.replica_of(self.rank)
+        self.local_rank: int = self.layout.local_rank_of(self.rank)
+        self.epoch: int = 0
+        self.events: list[RepairEvent] = []
+        self.evicted: bool = False
+        self.had_failure: bool = False
+        self.fail_fast = fail_fast
+        self._log = log or _stderr_log
+        self._on_evict = on_evict
+
+        self.world_comm: MPI.Comm | None = comm.Dup()
+        self.world_comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._original_group = self.world_comm.Get_group()
+        self.live_ranks: list[int] = list(range(self.layout.world_size))
+        self._live_set = frozenset(self.live_ranks)
+        active = range(self.layout.n_replicas) if active_replicas is None else active_replicas
+        self.active_replicas: list[int] = self._check_replicas(active)
+        self.coord_comm: MPI.Comm | None = split_coord_comm(
+            self.world_comm, self.layout, self.rank, self.active_replicas
+        )
+
+        # Held by whichever thread is inside MPI on world/coord comms (a guarded collective or a repair), so the
+        # watcher never runs a repair concurrently with a main-thread collective on the same communicator.
+        self._op_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._notice_times: dict[int, float] = {}
+        self._error_time: float | None = None
+        self.watcher: FailureWatcher | None = FailureWatcher(comm, self._on_notice).start() if watch else None
+
+    # ------------------------------------------------------------------ views
+    @property
+    def live_replicas(self) -> list[int]:
+        return self.layout.replicas_of(self.live_ranks)
+
+    @property
+    def spare_replicas(self) -> list[int]:
+        return [r for r in self.live_replicas if r not in set(self.active_replicas)]
+
+    @property
+    def is_active(self) -> bool:
+        return not self.evicted and self.replica in set(self.active_replicas)
+
+    def failure_pending(self) -> bool:
+        """True once the watcher knows of a dead rank that is still a member of the current world."""
+        if self.watcher is None:
+            return False
+        return bool(self.watcher.dead_ranks & self._live_set)
+
+    # ------------------------------------------------------------ collectives
+    def allreduce_sum_(self, buf: np.ndarray, comm: CommName = "coord") -> np.ndarray:
+        """In-place SUM over ``comm`` (zero-copy: pass a numpy view of a torch CPU fp32 tensor)."""
+        self._check_buffer(buf)
+        c = self._comm(comm)
+        with self._guard(f"allreduce({comm})", c):
+            c.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return buf
+
+    def bcast_(self, buf: np.ndarray, root_replica: int, comm: CommName = "coord") -> np.ndarray:
+        """In-place broadcast from ``root_replica`` (on ``world``: from its local rank 0)."""
+        self._check_buffer(buf)
+        c = self._comm(comm)
+        if comm == "coord":
+            root = self.active_replicas.index(root_replica)
+        else:
+            root = self.live_ranks.index(self.layout.world_rank(root_replica, 0))
+        with self._guard(f"bcast({comm})", c):
+            c.Bcast(buf, root=root)
+        return buf
+
+    def barrier(self) -> None:
+        c = self._comm("world")
+        with self._guard("barrier", c):
+            c.Barrier()
+
+    def agree(self, flag: bool = True) -> bool:
+        """The commit point: uniform AND of ``flag`` over all live ranks.
+
+        Raises FailureDetected (on every survivor alike) if a rank of the world died since the last repair or a
+        peer already entered :meth:`repair`: then the step's collective results must be thrown away.
+        Agree is the one operation that Revoke does not interrupt; ``repair`` starts with a matching Agree.
+        """
+        c = self._comm("world")
+        with self._guard("agree", c, check_pending=False):
+            result = c.Agree(HEALTHY_BIT | (1 if flag else 0))
+        if not result & HEALTHY_BIT:  # a peer entered repair (its Agree completed ours): so must we
+            self._note_error()
+            raise FailureDetected("agree", -1, self.epoch, "a peer is repairing")
+        return bool(result & 1)
+
+    def set_active_replicas(self, replicas: Sequence[int]) -> None:
+        """Collective over the world: rebuild ``coord_comm`` for a new active set (e.g. activating a spare)."""
+        active = self._check_replicas(replicas)
+        c = self._comm("world")
+        with self._guard("set_active_replicas", c):
+            new_coord = split_coord_comm(c, self.layout, self.rank, active)
+        old, self.coord_comm, self.active_replicas = self.coord_comm, new_coord, active
+        if old is not None:
+            try:
+                old.Free()
+            except MPI.Exception:
+                pass
+
+    # ----------------------------------------------------------------- repair
+    def repair(self) -> RepairEvent:
+        """Collective among ALL survivors of the world (active, spares, and alive ranks of failed replicas).
+
+        Returns the event on a survivor; raises :class:`ReplicaEvicted` on a rank whose replica lost a member.
+        After a return, the caller decides the active set (default: previously active minus failed).
+        """
+        with self._op_lock:
+            return self._repair_locked(by_watcher=False)
+
+    def _repair_locked(self, by_watcher: bool) -> RepairEvent:
+        if self.evicted:
+            raise RuntimeError("this rank was already evicted; it must exit")
+        assert self.world_comm is not None
+        start = time.monotonic()
+        self.had_failure = True
+        outcome = run_repair(
+            self.world_comm,
+            self.coord_comm,
+            self.live_ranks,
+            self._original_group,
+            self.layout,
+            self.rank,
+            self.active_replicas,
+            self.epoch + 1,
+        )
+        event = outcome.event
+        event.by_watcher = by_watcher
+        event.wall_time = time.time()
+        event.detect_ms = self._detect_ms(start, event.failed_ranks)
+        self.epoch = event.epoch
+        self.events.append(event)
+        with self._state_lock:
+            self._error_time = None
+        if outcome.evicted:
+            self.evicted = True
+            self.world_comm = self.coord_comm = None
+            self.live_ranks, self._live_set = [], frozenset()
+            raise ReplicaEvicted(event, self.rank, self.replica)
+        self.world_comm, self.coord_comm = outcome.world_comm, outcome.coord_comm
+        self.live_ranks, self._live_set = outcome.live_ranks, frozenset(outcome.live_ranks)
+        self.active_replicas = event.active_replicas
+        self._log(
+            f"[ft rank {self.rank}] repaired to epoch {event.epoch}: failed ranks {event.failed_ranks} "
+            f"(replicas {event.failed_replicas}), live replicas {event.live_replicas}, "
+            f"detect+repair {event.detect_to_repaired_ms:.1f} ms"
+        )
+        return event
+
+    def _detect_ms(self, start: float, failed: Sequence[int]) -> float:
+        with self._state_lock:
+            notices = [self._notice_times[r] for r in failed if r in self._notice_times]
+            if self._error_time is not None:
+                notices.append(self._error_time)
+        first = min((t for t in notices if t <= start), default=None)
+        return 0.0 if first is None else (start - first) * 1e3
+
+    # ---------------------------------------------------------------- watcher
+    def _on_notice(self, dead: frozenset[int], notice: float) -> None:
+        """Watcher thread: record the notice; if my own replica lost a member, leave through the repair."""
+        with self._state_lock:
+            for r in dead:
+                self._notice_times.setdefault(r, notice)
+        own = sorted(r for r in dead if r in self._live_set and self.layout.replica_of(r) == self.replica)
+        if dead & self._live_set:
+            self.had_failure = True
+        if not own or self.evicted:
+            return
+        # The main thread may be blocked forever in intra-replica torch traffic: act for it.  If the main thread
+        # is inside a collective, that ends soon (peers revoke or complete it) and then either its own repair
+        # evicts this rank or it goes back to torch: we take over as soon as it holds no MPI operation.
+        while not self._op_lock.acquire(timeout=0.01):
+            if self.evicted:
+                return
+        try:
+            if self.evicted:
+                return
+            try:
+                self._repair_locked(by_watcher=True)
+            except ReplicaEvicted as exc:
+                self._exit_evicted(exc)
+            except Exception as exc:  # noqa: BLE001 - we are leaving anyway; say why
+                self._log(f"[ft rank {self.rank}] watcher repair failed while leaving: {exc!r}")
+                self._exit_now(0)
+        finally:
+            self._op_lock.release()
+
+    def _exit_evicted(self, exc: ReplicaEvicted) -> None:
+        self._log(f"[ft rank {self.rank}] EVICTED by watcher: {exc}; exiting 0")
+        if self._on_evict is not None:
+            try:
+                self._on_evict(exc)
+            except Exception as cb_exc:  # noqa: BLE001
+                self._log(f"[ft rank {self.rank}] on_evict callback failed: {cb_exc!r}")
+        self._exit_now(0)
+
+    # --------------------------------------------------------------- shutdown
+    def shutdown(self, had_failure: bool | None = None, code: int = 0) -> None:
+        """End this rank.  After any failure, never MPI_Finalize (it can hang): barrier, flush, ``os._exit``.
+
+        Without failures, frees our communicators and finalizes MPI normally (and returns).
+        """
+        had = self.had_failure if had_failure is None else had_failure
+        if self.watcher is not None:
+            self.watcher.stop()
+        if had or self.evicted:
+            if self.world_comm is not None:
+                try:
+                    self.world_comm.Barrier()
+                except MPI.Exception:
+                    pass
+            self._exit_now(code)
+        for c in (self.coord_comm, self.world_comm):
+            if c is not None:
+                try:
+                    c.Free()
+                except MPI.Exception:
+                    pass
+        self.coord_comm = self.world_comm = None
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+
+    @staticmethod
+    def _exit_now(code: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+    # ---------------------------------------------------------------- helpers
+    def _comm(self, name: CommName) -> MPI.Comm:
+        if self.evicted:
+            raise RuntimeError(f"rank {self.rank} was evicted; no collectives allowed")
+        if name == "world":
+            assert self.world_comm is not None
+            return self.world_comm
+        if name == "coord":
+            if self.coord_comm is None:
+                raise RuntimeError(f"rank {self.rank} (replica {self.replica}) is not active: no coord_comm")
+            return self.coord_comm
+        raise ValueError(f"unknown communicator {name!r}")
+
+    @contextmanager
+    def _guard(self, op: str, comm: MPI.Comm, check_pending: bool = True) -> Iterator[None]:
+        """Turn every MPI error into FailureDetected, after revoking so that no peer stays blocked."""
+        with self._op_lock:
+            if self.evicted:
+                raise RuntimeError(f"rank {self.rank} was evicted; no collectives allowed")
+            if check_pending and self.fail_fast and self.failure_pending():
+                self._note_error()
+                self._revoke_all(comm)
+                raise FailureDetected(op, -1, self.epoch, "failure notice before start")
+            try:
+                yield
+            except MPI.Exception as exc:
+                self._note_error()
+                self._revoke_all(comm)
+                raise FailureDetected(op, error_class(exc), self.epoch, str(exc)) from exc
+
+    def _note_error(self) -> None:
+        self.had_failure = True
+        with self._state_lock:
+            if self._error_time is None:
+                self._error_time = time.monotonic()
+
+    def _revoke_all(self, comm: MPI.Comm) -> None:
+        try_revoke(comm)
+        try_revoke(self.world_comm)
+
+    def _check_replicas(self, replicas: Sequence[int] | range) -> list[int]:
+        out = sorted(set(int(r) for r in replicas))
+        live = set(self.layout.replicas_of(self.live_ranks))
+        bad = [r for r in out if r not in live]
+        if bad:
+            raise ValueError(f"replicas {bad} are not live (live: {sorted(live)})")
+        return out
+
+    @staticmethod
+    def _check_buffer(buf: np.ndarray) -> None:
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise TypeError("buffer must be a writable C-contiguous numpy array (e.g. tensor.numpy())")

@@ -1,0 +1,1 @@
+"""Models built from nanotron's parallel building blocks that run on CPU (gloo) and GPU."""

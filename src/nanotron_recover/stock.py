@@ -1,0 +1,80 @@
+"""The stock nanotron data path: one torch world, nanotron's dp groups, DDP gradient sync over torch.
+
+This is the failure-free reference every comparison uses (and the checkpoint-restart baseline): no MPI in the
+step, the loss divided by the replica's own microbatch count and DDP averaging across dp -- exactly nanotron's
+math. Data-parallel rank d computes the d-th contiguous chunk of the step's M global microbatches.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+import nanotron_recover.nanotron_compat  # noqa: F401
+import torch
+import torch.distributed as torch_dist
+from nanotron import distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, contiguous_chunk
+
+if TYPE_CHECKING:
+    from nanotron_recover.trainer import RecoverTrainer
+
+
+class StockDataParallel(DataParallelStrategy):
+    def __init__(self, config: RecoverConfig, timeout_s: float) -> None:
+        par = config.parallelism
+        self.config = config
+        self.parallel_context = ReplicaParallelContext(
+            tensor_parallel_size=par.tp,
+            pipeline_parallel_size=par.pp,
+            data_parallel_size=par.dp,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        pc = self.parallel_context
+        self.world_rank = dist.get_rank(pc.world_pg)
+        self.dp_rank = dist.get_rank(pc.dp_pg)
+        self.pp_rank = dist.get_rank(pc.pp_pg)
+        self.tp_rank = dist.get_rank(pc.tp_pg)
+        self.replica = self.dp_rank
+        self.local_rank = self.pp_rank * par.tp + self.tp_rank
+        self.per_replica = config.tokens.batch_accumulation_per_replica
+        self.last_stage = self.pp_rank == par.pp - 1
+
+    def attach_model(self, trainer: "RecoverTrainer") -> None:
+        self.unwrapped_model = trainer.model
+        if self.parallel_context.dp_pg.size() > 1:
+            self.model = DistributedDataParallel(
+                trainer.model,
+                process_group=self.parallel_context.dp_pg,
+                broadcast_buffers=False,
+                bucket_cap_mb=self.config.model.ddp_bucket_cap_mb,
+            )
+        else:
+            self.model = trainer.model
+
+    def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
+        indices = contiguous_chunk(self.dp_rank, self.parallel_context.dp_pg.size(), self.per_replica)
+        # stock nanotron: loss / own microbatch count; DDP averages the gradient over dp in the last backward
+        work = trainer.compute(step, list(indices), loss_divisor=self.per_replica)
+        dp = self.parallel_context.dp_pg.size()
+        contribution = work.loss_sum / dp if (self.last_stage and self.tp_rank == 0) else 0.0
+        loss = torch.tensor([contribution], dtype=torch.float64)
+        torch_dist.all_reduce(loss, group=self.parallel_context.world_pg)
+        return CommittedStep(loss=float(loss.item()), microbatches=dp * self.per_replica, live_replicas=dp)
+
+    def zero_grad(self, trainer: "RecoverTrainer") -> None:
+        trainer.optimizer.zero_grad()
+
+    def after_commit(self, trainer: "RecoverTrainer", step: int) -> None:
+        pass
+
+    def is_logging_rank(self) -> bool:
+        return self.world_rank == 0
+
+    def save_checkpoint(self, trainer: "RecoverTrainer", step: int) -> None:
+        # every rank writes its part (nanotron's serialize filters dp>0 itself); rank 0 publishes
+        trainer.checkpoints.save(trainer, step, writer=True, barrier=lambda: torch_dist.barrier(), publisher=self.world_rank == 0)

@@ -1,0 +1,84 @@
+"""Per-rank entry point: ``mpirun ... python -m nanotron_recover.train --config-file X --run-dir D``.
+
+Parse the config, build the data-parallel path (ReCoVer over ULFM, or stock nanotron), train, close.
+Exit codes: 0 done (also for a rank whose replica was evicted), 2 bad input, 3 fewer live replicas than
+``fault_tolerance.min_replicas`` (a checkpoint was saved; relaunching resumes from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from nanotron_recover.config import ConfigError
+from nanotron_recover.launch import add_override_args, default_run_dir, load_effective_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanotron_recover.train", description=__doc__)
+    add_override_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_effective_config(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"nanotron-recover: error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timeout_s = config.fault_tolerance.collective_timeout_s if config.fault_tolerance else 600.0
+    if config.ft_enabled:
+        return _run_resilient(config, run_dir, timeout_s)
+    return _run_stock(config, run_dir, timeout_s)
+
+
+def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
+    import torch.distributed as torch_dist
+
+    from nanotron_recover.stock import StockDataParallel
+    from nanotron_recover.trainer import RecoverTrainer
+    from nanotron_recover.world import init_stock_torch_world
+
+    init_stock_torch_world(timeout_s)
+    trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
+    trainer.train()
+    torch_dist.barrier()
+    torch_dist.destroy_process_group()
+    return 0
+
+
+def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
+    from nanotron_recover.ft import ReplicaEvicted
+    from nanotron_recover.recovery.resilient import (
+        EXIT_BELOW_MIN_REPLICAS,
+        BelowMinimumReplicas,
+        ResilientDataParallel,
+    )
+    from nanotron_recover.trainer import RecoverTrainer
+
+    dp = ResilientDataParallel(config, timeout_s)
+    code = 0
+    try:
+        trainer = RecoverTrainer(config, run_dir, dp)
+        trainer.train()
+    except ReplicaEvicted as e:
+        print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
+    except BelowMinimumReplicas as e:
+        print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {e.last_committed_step}", flush=True)
+        if e.last_committed_step > 0 and dp.computes():
+            dp.save_checkpoint(trainer, e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
+        trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": e.last_committed_step})
+        trainer.metrics.close()
+        code = EXIT_BELOW_MIN_REPLICAS
+    sys.stdout.flush()
+    dp.shutdown(code=code)
+    return code
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

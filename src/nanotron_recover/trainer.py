@@ -1,0 +1,261 @@
+"""``RecoverTrainer``: the step loop.
+
+One step reads like a paragraph: plan which global microbatches this replica computes -> forward/backward
+them through the pipeline engine (loss / M) -> reduce the gradient across replicas (with in-step recovery) ->
+sync tied weights -> clip -> optimizer step -> log.
+
+nanotron 0.4's ``DistributedTrainer`` cannot be imported here (``trainer.py`` imports flash_attn through its
+models and hard-codes CUDA), so this trainer reuses its parts instead: ``NamedOptimizer``, the LR scheduler
+builder, ``clip_grad_norm``, ``sync_tied_weights_gradients`` and the ``serialize`` checkpoint format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import order)
+import torch
+from nanotron.helpers import lr_scheduler_builder
+from nanotron.optim.clip_grads import clip_grad_norm
+from nanotron.optim.named_optimizer import NamedOptimizer
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
+
+from nanotron_recover import devices
+from nanotron_recover.checkpoint import CheckpointManager
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.data import build_dataset
+from nanotron_recover.engines import build_engine
+from nanotron_recover.inject import FailureInjector
+from nanotron_recover.metrics import MetricsLogger
+from nanotron_recover.models.llama import build_llama, init_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalWork:
+    """What this rank computed in a step: the loss sum (each microbatch's loss / M) and the microbatch count."""
+
+    loss_sum: float = 0.0
+    microbatches: int = 0
+
+    def __iadd__(self, other: "LocalWork") -> "LocalWork":
+        self.loss_sum += other.loss_sum
+        self.microbatches += other.microbatches
+        return self
+
+
+@dataclass
+class CommittedStep:
+    """A step's result, identical on every live rank."""
+
+    loss: float
+    microbatches: int
+    epoch: int = 0
+    live_replicas: int = 1
+    recoveries: int = 0
+
+
+class RecoverTrainer:
+    """Builds model, optimizer, data and engine for one rank and runs the step loop.
+
+    ``data_parallel`` is the strategy for everything that crosses replicas: the stock path
+    (:class:`nanotron_recover.stock.StockDataParallel`) or ReCoVer's
+    (:class:`nanotron_recover.recovery.resilient.ResilientDataParallel`).
+    """
+
+    def __init__(self, config: RecoverConfig, run_dir: Path, data_parallel: "DataParallelStrategy") -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.dp = data_parallel
+        self.parallel_context = data_parallel.parallel_context
+        self.device = devices.compute_device()
+        self.M = config.microbatches_per_step
+
+        self.model = build_llama(
+            config.model.model_config,
+            parallel_context=self.parallel_context,
+            parallel_config=config.parallelism,
+            dtype=config.model.dtype,
+            device=self.device,
+        )
+        init_weights(self.model, std=_init_std(config), seed=config.general.seed)
+        self.named_params = list(self.model.get_named_params_with_correct_tied())
+        self.dp.attach_model(self)  # may wrap the model (DDP) or lay gradients into flat buckets
+        self.optimizer = self._build_optimizer()
+        self.lr_scheduler = lr_scheduler_builder(
+            self.optimizer, config.optimizer.learning_rate_scheduler, total_training_steps=config.tokens.train_steps
+        )
+        self.engine = build_engine(config.parallelism.pp_engine)
+        self.dataset = build_dataset(
+            config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
+        )
+        schedule = [dataclasses.asdict(entry) for entry in config.fault_tolerance.inject] if config.ft_enabled else []
+        self.injector = FailureInjector(schedule, self.dp.replica, self.dp.local_rank)
+        self._install_phase_hooks()
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
+        self.checkpoints = CheckpointManager(config, self.run_dir)
+        self.step = 0
+        self._current_step = 0
+        self.had_failure = False
+
+    # ----------------------------------------------------------------------------------------------- building
+    def _build_optimizer(self) -> NamedOptimizer:
+        args = self.config.optimizer
+        fused = bool(args.torch_adam_is_fused) and self.device.type == "cuda"
+        return NamedOptimizer(
+            named_params_or_groups=self.named_params,
+            optimizer_builder=lambda groups: torch.optim.AdamW(
+                groups,
+                lr=args.learning_rate_scheduler.learning_rate,
+                weight_decay=args.weight_decay,
+                eps=args.adam_eps,
+                betas=(args.adam_beta1, args.adam_beta2),
+                fused=fused,
+            ),
+        )
+
+    def _install_phase_hooks(self) -> None:
+        """Failure injection fires inside the real computation: a forward pre-hook and a gradient hook."""
+        if not any(s.replica == self.dp.replica and s.rank == self.dp.local_rank for s in self.injector.schedule):
+            return
+        local_params = [p for p in self.model.parameters() if p.requires_grad]
+        if not local_params:
+            return
+        self.model.register_forward_pre_hook(lambda *_: self.injector.maybe_fail(self._current_step, "forward"))
+        local_params[0].register_hook(lambda g: self.injector.maybe_fail(self._current_step, "backward") or g)
+
+    # ----------------------------------------------------------------------------------------------- compute
+    def model_batch(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | TensorPointer]:
+        """Real tensors where the pipeline needs them (inputs on the first stage, labels on the last)."""
+        pp_rank = self.dp.pp_rank
+        unwrapped = self.dp.unwrapped_model
+        out: dict[str, torch.Tensor | TensorPointer] = {}
+        for key, value in microbatch.items():
+            owner = unwrapped.input_pp_rank if key.startswith("input") else unwrapped.output_pp_rank
+            out[key] = value.to(self.device, non_blocking=True) if owner == pp_rank else TensorPointer(group_rank=owner)
+        return out
+
+    def compute(self, step: int, indices: Sequence[int], loss_divisor: int) -> LocalWork:
+        """Forward/backward the given global microbatches of ``step``; gradients accumulate in place."""
+        if len(indices) == 0:
+            return LocalWork()
+        self._current_step = step
+        self.injector.maybe_fail(step, "dataload")
+        batch = [self.model_batch(self.dataset.microbatch(step, i)) for i in indices]
+        outputs = self.engine.train_batch_iter(
+            self.dp.model,
+            pg=self.parallel_context.pp_pg,
+            batch=batch,
+            nb_microbatches=len(batch),
+            grad_accumulator=None,
+            loss_divisor=loss_divisor,
+        )
+        loss_sum = sum(float(o["loss"]) for o in outputs if not isinstance(o["loss"], TensorPointer))
+        return LocalWork(loss_sum=loss_sum, microbatches=len(indices))
+
+    # ----------------------------------------------------------------------------------------------- the loop
+    def train(self) -> None:
+        self.step = self.checkpoints.maybe_resume(self)
+        total = self.config.tokens.train_steps
+        tokens_per_step = self.M * self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
+        while self.step < total:
+            step = self.step + 1
+            t0 = time.perf_counter()
+            result = self.train_step(step)
+            elapsed = time.perf_counter() - t0
+            self.step = step
+            self.log_step(result, elapsed, tokens_per_step)
+            self._current_step = step
+            if self.checkpoints.due(step):
+                self.injector.maybe_fail(step, "checkpoint")
+                self.dp.save_checkpoint(self, step)
+        self.metrics.close()
+
+    def train_step(self, step: int) -> CommittedStep:
+        self._current_step = step
+        result = self.dp.forward_backward_reduce(self, step)  # plan -> compute -> reduce (with recovery)
+        self.injector.maybe_fail(step, "optimizer")
+        sync_tied_weights_gradients(self.dp.unwrapped_model, self.parallel_context, grad_accumulator=None)
+        self.grad_norm = self._clip()
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.dp.zero_grad(self)
+        self.dp.after_commit(self, step)  # e.g. spare activation, state transfer
+        return result
+
+    def _clip(self) -> float | None:
+        max_norm = self.config.optimizer.clip_grad
+        if max_norm is None:
+            return None
+        norm = clip_grad_norm(
+            mp_pg=self.parallel_context.mp_pg,
+            named_parameters=self.named_params,
+            max_norm=max_norm,
+            grad_accumulator=None,
+        )
+        return float(norm)
+
+    def log_step(self, result: CommittedStep, elapsed: float, tokens_per_step: int) -> None:
+        self.metrics.set_logging(self.dp.is_logging_rank())
+        if not self.dp.is_logging_rank():
+            return
+        live_procs = result.live_replicas * self.config.ranks_per_replica
+        record = {
+            "step": self.step,
+            "loss": result.loss,
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "grad_norm": self.grad_norm,
+            "microbatches": result.microbatches,
+            "tokens": tokens_per_step,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "tokens_per_s_per_process": tokens_per_step / elapsed / live_procs,
+            "live_replicas": result.live_replicas,
+            "epoch": result.epoch,
+            "recoveries": result.recoveries,
+        }
+        self.metrics.log_step(record)
+        print(
+            f"[step {self.step:>5}] loss {result.loss:.6f} lr {record['lr']:.3e} mb {result.microbatches} "
+            f"replicas {result.live_replicas} epoch {result.epoch} {elapsed * 1000:.0f} ms",
+            flush=True,
+        )
+
+
+class DataParallelStrategy:
+    """Everything that crosses replicas. Implemented by the stock path and by ReCoVer's resilient path."""
+
+    parallel_context: object
+    model: torch.nn.Module
+    unwrapped_model: torch.nn.Module
+    replica: int
+    local_rank: int
+    pp_rank: int
+
+    def attach_model(self, trainer: RecoverTrainer) -> None: ...
+    def forward_backward_reduce(self, trainer: RecoverTrainer, step: int) -> CommittedStep: ...
+    def zero_grad(self, trainer: RecoverTrainer) -> None: ...
+    def after_commit(self, trainer: RecoverTrainer, step: int) -> None: ...
+    def is_logging_rank(self) -> bool: ...
+    def save_checkpoint(self, trainer: RecoverTrainer, step: int) -> None: ...
+
+
+def _init_std(config: RecoverConfig) -> float:
+    init = config.model.init_method
+    return float(getattr(init, "std", 0.02))
+
+
+def _wandb_config(config: RecoverConfig) -> dict:
+    return {"project": config.general.project, "name": config.general.run}
+
+
+def contiguous_chunk(index: int, count: int, per_replica: int) -> Iterable[int]:
+    """Global microbatch indices of data-parallel rank ``index`` in a failure-free step (nanotron's split)."""
+    return range(index * per_replica, (index + 1) * per_replica)

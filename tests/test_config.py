@@ -1,0 +1,94 @@
+"""RecoverConfig: stock nanotron YAMLs load unchanged; bad fault_tolerance input names the key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanotron_recover.config import ConfigError, FaultToleranceArgs, config_from_dict, load_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+STOCK = FIXTURES / "stock_nanotron.yaml"
+
+
+def stock_dict() -> dict:
+    return yaml.safe_load(STOCK.read_text())
+
+
+def with_ft(**ft) -> dict:
+    raw = stock_dict()
+    raw["fault_tolerance"] = ft
+    return raw
+
+
+def test_stock_yaml_loads_unchanged_with_fault_tolerance_off():
+    config = load_config(STOCK)
+    assert config.fault_tolerance is None and not config.ft_enabled
+    assert (config.parallelism.dp, config.parallelism.tp, config.parallelism.pp) == (2, 1, 1)
+    assert config.model.model_config.hidden_size == 32
+    assert config.tokens.batch_accumulation_per_replica == 2
+    assert config.world_size == 2
+    assert config.microbatches_per_step == 4
+
+
+def test_fault_tolerance_section_parsed_with_defaults_and_schedule():
+    raw = with_ft(spare_replicas=1, inject=[{"step": 3, "replica": 1, "phase": "reduce"}])
+    config = config_from_dict(raw)
+    ft = config.fault_tolerance
+    assert isinstance(ft, FaultToleranceArgs) and ft.enabled
+    assert ft.spare_replicas == 1 and ft.min_replicas == 1
+    assert ft.inject[0].phase == "reduce" and ft.inject[0].rank == 0
+    # world = (dp + spares) x tp x pp; M counts only the dp replicas
+    assert config.world_size == 3
+    assert config.microbatches_per_step == 4
+
+
+def test_fault_tolerance_disabled_is_the_stock_path():
+    config = config_from_dict(with_ft(enabled=False, spare_replicas=2))
+    assert not config.ft_enabled
+    assert config.world_size == 2  # spares only exist on the ReCoVer path
+
+
+@pytest.mark.parametrize(
+    "ft, key",
+    [
+        ({"min_replica": 1}, "min_replica"),
+        ({"enabled": "sometimes"}, "fault_tolerance.enabled"),
+        ({"min_replicas": 3}, "fault_tolerance.min_replicas"),
+        ({"min_replicas": 0}, "fault_tolerance.min_replicas"),
+        ({"spare_replicas": -1}, "fault_tolerance.spare_replicas"),
+        ({"collective_timeout_s": 0}, "fault_tolerance.collective_timeout_s"),
+        ({"inject": [{"step": 2, "replica": 0, "phase": "lunch"}]}, "fault_tolerance.inject[0].phase"),
+        ({"inject": [{"step": 99, "replica": 0}]}, "fault_tolerance.inject[0].step"),
+        ({"inject": [{"step": 2, "replica": 5}]}, "fault_tolerance.inject[0].replica"),
+        ({"inject": [{"step": 2, "replica": 0, "rank": 1}]}, "fault_tolerance.inject[0].rank"),
+        ({"inject": [{"step": 3, "replica": 0, "phase": "checkpoint"}]}, "fault_tolerance.inject[0].step"),
+        ({"inject": [{"step": 2, "replica": 0}, {"step": 3, "replica": 1}]}, "kills every replica"),
+    ],
+)
+def test_invalid_fault_tolerance_names_the_key(ft, key):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(with_ft(**ft))
+    assert key in str(err.value)
+
+
+def test_parallelism_that_cannot_shard_the_model_is_rejected():
+    raw = stock_dict()
+    raw["parallelism"]["tp"] = 3
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        config_from_dict(raw)
+
+
+def test_unknown_top_level_key_is_rejected_by_nanotron_strictness():
+    raw = copy.deepcopy(stock_dict())
+    raw["fault_tolerence"] = {"enabled": True}  # misspelt section
+    with pytest.raises(Exception, match="fault_tolerence"):
+        config_from_dict(raw)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,71 @@
+"""Failure injection: schedule parsing, and a real SIGKILL of a real process at the scheduled (step, phase)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.inject import PHASES, FailureInjector, FailureSpec, parse_schedule
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_parse_schedule_accepts_dicts_specs_and_json() -> None:
+    entry = {"step": 3, "replica": 1, "rank": 0, "phase": "reduce"}
+    assert parse_schedule([entry]) == [FailureSpec(3, 1, 0, "reduce")]
+    assert parse_schedule(json.dumps([entry])) == [FailureSpec(3, 1, 0, "reduce")]
+    assert parse_schedule(None) == [] and parse_schedule("") == []
+    assert parse_schedule([FailureSpec(0, 0, 0, "forward")]) == [FailureSpec(0, 0, 0, "forward")]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"step": 1, "replica": 0, "rank": 0, "phase": "lunch"},
+        {"step": -1, "replica": 0, "rank": 0, "phase": "forward"},
+        {"step": 1, "replica": 0, "rank": 0, "phase": "forward", "when": "now"},
+    ],
+)
+def test_parse_schedule_rejects_bad_entries(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        parse_schedule([bad])
+
+
+def test_only_the_targeted_process_and_phase_fire() -> None:
+    sched = [{"step": 2, "replica": 1, "rank": 1, "phase": "backward"}]
+    me = FailureInjector(sched, my_replica=1, my_local_rank=1)
+    other = FailureInjector(sched, my_replica=1, my_local_rank=0)
+    assert me.will_fail(2, "backward")
+    assert not me.will_fail(2, "forward") and not me.will_fail(3, "backward")
+    assert not any(other.will_fail(2, p) for p in PHASES)
+    for phase in PHASES:  # returns at once when not scheduled
+        other.maybe_fail(2, phase)
+        me.maybe_fail(1, phase)
+    with pytest.raises(ValueError):
+        me.maybe_fail(2, "lunch")
+
+
+def test_maybe_fail_really_sigkills_after_a_flushed_log_line() -> None:
+    prog = textwrap.dedent(
+        """
+        from nanotron_recover.inject import FailureInjector
+        inj = FailureInjector([{"step": 1, "replica": 0, "rank": 0, "phase": "checkpoint"}], 0, 0)
+        for step in range(3):
+            print("step", step, flush=True)
+            inj.maybe_fail(step, "checkpoint")
+        print("survived", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", prog], capture_output=True, text=True, timeout=30, env={"PYTHONPATH": SRC}
+    )
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr)
+    assert proc.stdout.split("\n")[:2] == ["step 0", "step 1"]
+    assert "survived" not in proc.stdout
+    assert "[inject] KILL replica 0 local rank 0" in proc.stderr and "step 1 phase checkpoint" in proc.stderr

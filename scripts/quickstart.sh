@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ ! -f data/kjv/dataset.json ]; then
-  .venv/bin/nanotron-recover prepare-data --output data/kjv
+  .venv/bin/nanotron-recover prepare-data --output data/kjv --vocab-size 4096
 fi
 exec .venv/bin/nanotron-recover train --config-file configs/tiny_llama.yaml --run-dir "${RUN_DIR:-runs/tiny_llama}" "$@"

@@ -114,6 +114,15 @@ class _GlobalLossDivisor(PipelineEngine):
         wait_pipeline_sends(model)
         return outputs
 
+    def validate_batch_iter(
+        self, model: nn.Module, batch: Iterable[MicroBatch], nb_microbatches: int
+    ) -> List[Dict[str, MaybeTensor]]:
+        """nanotron's forward-only pass (losses divided by ``nb_microbatches``), sends completed before return."""
+        reset_pipeline_queues()
+        outputs = super().validate_batch_iter(model=model, batch=batch, nb_microbatches=nb_microbatches)
+        wait_pipeline_sends(model)
+        return outputs
+
     def _schedule(self, model, pg, batch, nb_microbatches, grad_accumulator) -> List[Dict[str, MaybeTensor]]:
         return super().train_batch_iter(
             model=model, pg=pg, batch=batch, nb_microbatches=nb_microbatches, grad_accumulator=grad_accumulator
@@ -162,10 +171,14 @@ def build_engine(name_or_engine: Union[str, PipelineEngine, type]) -> RecoverEng
 
 
 def place_microbatch(
-    batch: Dict[str, torch.Tensor], model: nn.Module, parallel_context: ParallelContext
+    batch: Dict[str, torch.Tensor],
+    model: nn.Module,
+    parallel_context: ParallelContext,
+    device: Optional[torch.device] = None,
 ) -> MicroBatch:
     """A microbatch as this rank must feed it: ``input_ids``/``input_mask`` as tensors on the model's input stage,
-    ``label_ids``/``label_mask`` on its output stage, ``TensorPointer``s elsewhere (like nanotron's dataloader)."""
+    ``label_ids``/``label_mask`` on its output stage, ``TensorPointer``s elsewhere (like nanotron's dataloader).
+    Tensors this rank feeds are moved to ``device`` when given."""
     pp_rank = dist.get_rank(parallel_context.pp_pg)
     placed: MicroBatch = {}
     for key, stage in (
@@ -174,7 +187,10 @@ def place_microbatch(
         ("label_ids", model.output_pp_rank),
         ("label_mask", model.output_pp_rank),
     ):
-        placed[key] = batch[key] if pp_rank == stage else TensorPointer(group_rank=stage)
+        if pp_rank != stage:
+            placed[key] = TensorPointer(group_rank=stage)
+        else:
+            placed[key] = batch[key] if device is None else batch[key].to(device, non_blocking=True)
     return placed
 
 

@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
-from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, contiguous_chunk
+from nanotron_recover.trainer import CommittedStep, DataParallelStrategy
+from nanotron_recover.workload.planner import plan_step
 
 if TYPE_CHECKING:
     from nanotron_recover.trainer import RecoverTrainer
@@ -57,10 +58,10 @@ class StockDataParallel(DataParallelStrategy):
             self.model = trainer.model
 
     def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
-        indices = contiguous_chunk(self.dp_rank, self.parallel_context.dp_pg.size(), self.per_replica)
-        # stock nanotron: loss / own microbatch count; DDP averages the gradient over dp in the last backward
-        work = trainer.compute(step, list(indices), loss_divisor=self.per_replica)
         dp = self.parallel_context.dp_pg.size()
+        indices = plan_step(step, trainer.M, range(dp))[self.dp_rank]  # the dp_rank-th contiguous chunk
+        # stock nanotron: loss / own microbatch count; DDP averages the gradient over dp in the last backward
+        work = trainer.compute(step, indices, loss_divisor=self.per_replica)
         contribution = work.loss_sum / dp if (self.last_stage and self.tp_rank == 0) else 0.0
         loss = torch.tensor([contribution], dtype=torch.float64)
         torch_dist.all_reduce(loss, group=self.parallel_context.world_pg)

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Sequence
 
@@ -74,6 +75,14 @@ def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
         trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": e.last_committed_step})
         trainer.metrics.close()
         code = EXIT_BELOW_MIN_REPLICAS
+    except BaseException:
+        # A bug, not a fault: the same error would hit every replica. Abort the whole job at once instead of
+        # leaving the other ranks to wait out their torch timeouts.
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
     sys.stdout.flush()
     dp.shutdown(code=code)
     return code

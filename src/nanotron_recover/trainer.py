@@ -16,24 +16,23 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import order)
 import torch
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.clip_grads import clip_grad_norm
 from nanotron.optim.named_optimizer import NamedOptimizer
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
 
 from nanotron_recover import devices
 from nanotron_recover.checkpoint import CheckpointManager
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
-from nanotron_recover.engines import build_engine
+from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.inject import FailureInjector
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
+from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -132,23 +131,14 @@ class RecoverTrainer:
         local_params[0].register_hook(lambda g: self.injector.maybe_fail(self._current_step, "backward") or g)
 
     # ----------------------------------------------------------------------------------------------- compute
-    def model_batch(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | TensorPointer]:
-        """Real tensors where the pipeline needs them (inputs on the first stage, labels on the last)."""
-        pp_rank = self.dp.pp_rank
-        unwrapped = self.dp.unwrapped_model
-        out: dict[str, torch.Tensor | TensorPointer] = {}
-        for key, value in microbatch.items():
-            owner = unwrapped.input_pp_rank if key.startswith("input") else unwrapped.output_pp_rank
-            out[key] = value.to(self.device, non_blocking=True) if owner == pp_rank else TensorPointer(group_rank=owner)
-        return out
-
     def compute(self, step: int, indices: Sequence[int], loss_divisor: int) -> LocalWork:
         """Forward/backward the given global microbatches of ``step``; gradients accumulate in place."""
         if len(indices) == 0:
             return LocalWork()
         self._current_step = step
         self.injector.maybe_fail(step, "dataload")
-        batch = [self.model_batch(self.dataset.microbatch(step, i)) for i in indices]
+        unwrapped, pc = self.dp.unwrapped_model, self.parallel_context
+        batch = [place_microbatch(self.dataset.microbatch(step, i), unwrapped, pc, self.device) for i in indices]
         outputs = self.engine.train_batch_iter(
             self.dp.model,
             pg=self.parallel_context.pp_pg,
@@ -157,8 +147,8 @@ class RecoverTrainer:
             grad_accumulator=None,
             loss_divisor=loss_divisor,
         )
-        loss_sum = sum(float(o["loss"]) for o in outputs if not isinstance(o["loss"], TensorPointer))
-        return LocalWork(loss_sum=loss_sum, microbatches=len(indices))
+        loss = summed_loss(outputs)  # each microbatch's loss / loss_divisor, on the last stage only
+        return LocalWork(loss_sum=float(loss) if loss is not None else 0.0, microbatches=len(indices))
 
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -182,7 +172,7 @@ class RecoverTrainer:
         self._current_step = step
         result = self.dp.forward_backward_reduce(self, step)  # plan -> compute -> reduce (with recovery)
         self.injector.maybe_fail(step, "optimizer")
-        sync_tied_weights_gradients(self.dp.unwrapped_model, self.parallel_context, grad_accumulator=None)
+        sync_tied_gradients(self.dp.unwrapped_model, self.parallel_context)
         self.grad_norm = self._clip()
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -237,7 +227,6 @@ class DataParallelStrategy:
     unwrapped_model: torch.nn.Module
     replica: int
     local_rank: int
-    pp_rank: int
 
     def attach_model(self, trainer: RecoverTrainer) -> None: ...
     def forward_backward_reduce(self, trainer: RecoverTrainer, step: int) -> CommittedStep: ...
@@ -254,8 +243,3 @@ def _init_std(config: RecoverConfig) -> float:
 
 def _wandb_config(config: RecoverConfig) -> dict:
     return {"project": config.general.project, "name": config.general.run}
-
-
-def contiguous_chunk(index: int, count: int, per_replica: int) -> Iterable[int]:
-    """Global microbatch indices of data-parallel rank ``index`` in a failure-free step (nanotron's split)."""
-    return range(index * per_replica, (index + 1) * per_replica)

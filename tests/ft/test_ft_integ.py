@@ -41,6 +41,16 @@ def assert_survivors(run: Run, survivors: list[int], rpr: int, dead: set[int], e
     assert "EVICTED" in run.output or not evicted
 
 
+def test_no_failure_finalizes_cleanly(tmp_path: Path) -> None:
+    """Without failures every rank finishes at epoch 0 and MPI_Finalize returns (no hang, no event)."""
+    run = run_worker(4, {"ranks_per_replica": 2, "steps": STEPS}, tmp_path, timeout_s=60)
+    assert sorted(run.results) == [0, 1, 2, 3]
+    for d in run.results.values():
+        assert d["status"] == "done" and d["steps_completed"] == STEPS and d["epoch"] == 0, d
+        assert d["errors"] == [] and d["events"] == [] and d["failures"] == []
+    assert run.output.count("DONE") == 4
+
+
 def test_one_rank_dies_mid_reduce(tmp_path: Path) -> None:
     """3 replicas x 2: replica 1's local rank 1 dies after its first bucket; replicas 0 and 2 carry on."""
     run = run_worker(6, {"ranks_per_replica": 2, "steps": STEPS, "schedule": [kill(2, 1, 1, "reduce")]}, tmp_path)
@@ -62,17 +72,22 @@ def test_two_replicas_die_in_same_step(tmp_path: Path) -> None:
     assert_survivors(run, [0, 2], 1, dead={1, 3}, evicted=set())
 
 
-def test_failure_during_repair(tmp_path: Path) -> None:
-    """4 replicas x 1: replica 2 dies mid-reduce; replica 3 dies as it enters the repair: one more loop."""
-    cfg = {
-        "ranks_per_replica": 1,
-        "steps": STEPS,
-        "schedule": [kill(1, 2, 0, "reduce")],
-        "die_in_repair": [{"epoch": 1, "replica": 3, "rank": 0}],
-    }
+@pytest.mark.parametrize("point", ["enter", "after_shrink", "after_rebuild"])
+def test_failure_during_repair(tmp_path: Path, point: str) -> None:
+    """4 replicas x 1: replica 2 dies mid-reduce; replica 3 dies while the repair runs (as it enters it, right
+    after Shrink, or after the new communicators were built): the repair loops and one event lists both."""
+    cfg: dict = {"ranks_per_replica": 1, "steps": STEPS, "schedule": [kill(1, 2, 0, "reduce")]}
+    if point == "enter":
+        cfg["die_in_repair"] = [{"epoch": 1, "replica": 3, "rank": 0}]
+    else:
+        cfg["die_at"] = [{"epoch": 1, "replica": 3, "rank": 0, "point": point}]
     run = run_worker(4, cfg, tmp_path)
-    assert "KILL on entering repair" in run.output
+    assert "KILL on entering repair" in run.output or f"KILL inside repair at {point}" in run.output
     assert_survivors(run, [0, 1], 1, dead={2, 3}, evicted=set())
+    if point != "enter":  # the second death is inside the protocol: same event, one more round
+        for rank in (0, 1):
+            (event,) = run.results[rank]["events"]
+            assert event["attempts"] == 2 and event["failed_ranks"] == [2, 3], event
 
 
 def test_stuck_mate_is_released_by_watcher(tmp_path: Path) -> None:

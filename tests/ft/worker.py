@@ -65,6 +65,16 @@ def main() -> None:
     inj = FailureInjector(cfg.get("schedule", []), world.replica, world.local_rank)
     stuck = {(s["step"], s["replica"], s["rank"]) for s in cfg.get("stuck", [])}
     die_in_repair = {(d["epoch"], d["replica"], d["rank"]) for d in cfg.get("die_in_repair", [])}
+    die_at = {(d["epoch"], d["replica"], d["rank"]): (d["point"], d.get("attempt", 1)) for d in cfg.get("die_at", [])}
+
+    def repair_hook(point: str, attempt: int) -> None:
+        """Real death inside the repair protocol (after Shrink / after the rebuild), for the retry-loop tests."""
+        if die_at.get((world.epoch + 1, world.replica, world.local_rank)) == (point, attempt):
+            print(f"[worker rank {world.rank}] KILL inside repair at {point} attempt {attempt} t={time.time():.6f}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    world.repair_hook = repair_hook
     step = 0
     while step < steps:
         try:

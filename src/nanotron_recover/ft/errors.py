@@ -38,11 +38,12 @@ class FailureDetected(RuntimeError):
     and a result we cannot trust must never be used.  The buffer passed to the collective is garbage afterwards.
     """
 
-    def __init__(self, op: str, err_class: int, epoch: int, detail: str = "") -> None:
+    def __init__(self, op: str, err_class: int = -1, epoch: int = -1, detail: str = "") -> None:
         self.op = op
         self.error_class = err_class
         self.epoch = epoch
-        super().__init__(f"{op} failed in world epoch {epoch} (MPI error class {err_class}){': ' + detail if detail else ''}")
+        tail = f": {detail}" if detail else ""
+        super().__init__(f"{op} failed in world epoch {epoch} (MPI error class {err_class}){tail}")
 
 
 class ReplicaEvicted(RuntimeError):

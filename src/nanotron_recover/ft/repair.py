@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mpi4py import MPI
 
@@ -51,8 +51,15 @@ def run_repair(
     my_rank: int,
     active_replicas: Sequence[int],
     new_epoch: int,
+    entry_agree: bool = True,
+    hook: Callable[[str, int], None] | None = None,
 ) -> RepairOutcome:
-    """Collective among all survivors of ``world_comm``; see the module docstring."""
+    """Collective among all survivors of ``world_comm``; see the module docstring.
+
+    ``entry_agree`` must be False when this rank's failure was reported by its commit Agree itself: that Agree
+    already matched the peers' entry Agree (each rank performs exactly one Agree per step/repair boundary).
+    ``hook(point, attempt)`` is called at "after_shrink" and "after_rebuild" (failure injection for tests).
+    """
     t_start = time.perf_counter()
     event = RepairEvent(new_epoch, [], [], [], [], [])
 
@@ -62,10 +69,11 @@ def run_repair(
     # Revoke interrupts every operation except Agree: a peer may sit in its commit ``FTWorld.agree`` on this
     # communicator and would wait there for us forever.  Our matching Agree (with the "repairing" bit clear)
     # completes it, uniformly, as a failure everywhere; then everybody meets in Shrink.
-    try:
-        world_comm.Agree(ENTRY_FLAG)
-    except MPI.Exception:
-        pass
+    if entry_agree:
+        try:
+            world_comm.Agree(ENTRY_FLAG)
+        except MPI.Exception:
+            pass
     event.revoke_ms = _ms(t0)
 
     comm = world_comm
@@ -82,6 +90,8 @@ def run_repair(
             continue
         event.shrink_ms += _ms(t0)
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        if hook is not None:
+            hook("after_shrink", attempt)
         members = original_ranks(shrunk, original_group)
         dead = sorted(before - set(members))
         failed_replicas = layout.replicas_of(dead)
@@ -106,6 +116,8 @@ def run_repair(
             try_revoke(new_world)  # a peer may be blocked in the coord split: release it
             try_revoke(shrunk)
         event.rebuild_ms += _ms(t0)
+        if hook is not None:
+            hook("after_rebuild", attempt)
 
         # Commit: uniform agreement that every survivor (evicted included) finished the rebuild.
         t0 = time.perf_counter()

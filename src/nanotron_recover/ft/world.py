@@ -88,6 +88,9 @@ class FTWorld:
         self._state_lock = threading.Lock()
         self._notice_times: dict[int, float] = {}
         self._error_time: float | None = None
+        self._commit_agree_failed = False  # our last Agree already matched the peers' repair-entry Agree
+        # Test seam: called inside the repair protocol as hook(point, attempt); used to SIGKILL a rank mid-repair.
+        self.repair_hook: Callable[[str, int], None] | None = None
         self.watcher: FailureWatcher | None = FailureWatcher(comm, self._on_notice).start() if watch else None
 
     # ------------------------------------------------------------------ views
@@ -143,9 +146,14 @@ class FTWorld:
         Agree is the one operation that Revoke does not interrupt; ``repair`` starts with a matching Agree.
         """
         c = self._comm("world")
-        with self._guard("agree", c, check_pending=False):
-            result = c.Agree(HEALTHY_BIT | (1 if flag else 0))
-        if not result & HEALTHY_BIT:  # a peer entered repair (its Agree completed ours): so must we
+        try:
+            with self._guard("agree", c, check_pending=False):
+                result = c.Agree(HEALTHY_BIT | (1 if flag else 0))
+        except FailureDetected:
+            self._commit_agree_failed = True
+            raise
+        if not result & HEALTHY_BIT:
+            self._commit_agree_failed = True  # a peer entered repair (its Agree completed ours): so must we
             self._note_error()
             raise FailureDetected("agree", -1, self.epoch, "a peer is repairing")
         return bool(result & 1)
@@ -179,6 +187,7 @@ class FTWorld:
         assert self.world_comm is not None
         start = time.monotonic()
         self.had_failure = True
+        entry_agree, self._commit_agree_failed = not self._commit_agree_failed, False
         outcome = run_repair(
             self.world_comm,
             self.coord_comm,
@@ -188,6 +197,8 @@ class FTWorld:
             self.rank,
             self.active_replicas,
             self.epoch + 1,
+            entry_agree=entry_agree,
+            hook=self.repair_hook,
         )
         event = outcome.event
         event.by_watcher = by_watcher

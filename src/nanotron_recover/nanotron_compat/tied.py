@@ -24,6 +24,7 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.tensor_parallel.enum import TensorParallelLinearMode
 from nanotron.parallel.tensor_parallel.nn import TensorParallelRowLinear
 from nanotron.parallel.tied_parameters import sync_tied_weights_gradients, tie_parameters
+import torch
 from torch import nn
 
 from nanotron_recover.nanotron_compat.parallel_context import DEFAULT_GROUP_TIMEOUT
@@ -80,5 +81,9 @@ def _create_tied_groups(model: nn.Module, pc: ParallelContext) -> None:
 
 
 def sync_tied_gradients(model: nn.Module, parallel_context: ParallelContext) -> None:
-    """SUM the gradients (``param.grad``) of tied parameters over their groups; run after the last backward."""
+    """SUM the gradients (``param.grad``) of tied parameters over their groups; run after the last backward.
+    A tied gradient that is still None (no microbatch ran on this replica) takes part as zeros."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None and isinstance(param, NanotronParameter) and param.is_tied:
+            param.grad = torch.zeros_like(param)
     sync_tied_weights_gradients(module=model, parallel_context=parallel_context, grad_accumulator=None)

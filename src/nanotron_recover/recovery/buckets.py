@@ -76,8 +76,8 @@ class GradBuckets:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append((name, p))
-        if not params:
-            raise ValueError("no parameters that require grad")
+        # A rank may own no trainable parameter (a pipeline stage holding only the loss): it then has one empty
+        # bucket, so it still takes part in every cross-replica collective of its coordinate.
         for name, p in params:
             if p.device != self.device and not (self.device.index is None and p.device.type == self.device.type):
                 raise ValueError(f"param {name} is on {p.device}, buffer on {self.device}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import nanotron_recover.nanotron_compat  # noqa: F401
@@ -24,6 +25,7 @@ from mpi4py import MPI
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.ft import FailureDetected, FTWorld, RepairEvent
+from nanotron_recover.mpirun import HEARTBEAT_TIMEOUT_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets
 from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, LocalWork
@@ -93,21 +95,20 @@ class ResilientDataParallel(DataParallelStrategy):
     # ------------------------------------------------------------------------------------------------- step
     def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
         plan = self._plan(step)
+        todo = plan.get(self.replica, [])
         work = LocalWork()
-        if self.replica in plan:
-            work += trainer.compute(step, plan[self.replica], loss_divisor=self.M)
         recoveries = 0
         while True:
             try:
+                work += self._compute(trainer, step, todo)
+                todo = []
                 self._reduce(trainer, step, work)
-                if not self.ft.agree(True):
+                if not self.ft.agree(True):  # the commit point: once per attempt, on every live rank
                     raise FailureDetected("a survivor did not complete the step's reduction")
                 break
             except FailureDetected:
                 recoveries += 1
-                plan, extra = self._recover(trainer, step, plan)
-                if extra:
-                    work += trainer.compute(step, extra, loss_divisor=self.M)
+                plan, todo = self._recover(trainer, step, plan)
         self.buckets.release(step)
         return CommittedStep(
             loss=float(self._stats[0]),
@@ -116,6 +117,24 @@ class ResilientDataParallel(DataParallelStrategy):
             live_replicas=len(plan),
             recoveries=recoveries,
         )
+
+    def _compute(self, trainer: "RecoverTrainer", step: int, indices: list[int]) -> LocalWork:
+        """Forward/backward; a torch error inside the replica means a replica-mate died (or a bug)."""
+        try:
+            return trainer.compute(step, indices, loss_divisor=self.M)
+        except RuntimeError as e:
+            if self._failure_confirmed():
+                raise FailureDetected(f"replica {self.replica}'s torch group broke: {e}") from e
+            raise  # no process died: a bug, the same on every replica (train.py aborts the job)
+
+    def _failure_confirmed(self) -> bool:
+        """Wait for ULFM to name a dead process (at most the detector's heartbeat timeout plus a margin)."""
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 2.0
+        while time.monotonic() < deadline:
+            if self.ft.failure_pending():
+                return True
+            time.sleep(0.01)
+        return False
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did."""
@@ -138,7 +157,7 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def _recover(self, trainer: "RecoverTrainer", step: int, plan: Plan) -> tuple[Plan, list[int]]:
         """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
-        event = self.ft.repair()  # an evicted rank leaves inside (exit 0)
+        event = self.ft.repair()  # raises ReplicaEvicted on a rank of a failed replica
         self.recovery_events.append(event)
         trainer.had_failure = True
         change = self.roster.on_failure(event.failed_replicas)

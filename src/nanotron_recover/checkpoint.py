@@ -101,10 +101,10 @@ class CheckpointManager:
         save_optimizer(trainer.optimizer, pc, tmp)
         save_lr_scheduler(trainer.lr_scheduler, pc, tmp)
         save_meta(pc, tmp, {"last_train_step": step, "consumed_train_samples": step * trainer.M * self.config.tokens.micro_batch_size})
-        _fsync_tree(tmp)
-        barrier()
+        barrier()  # every part written
         if not publisher:
             return
+        _fsync_tree(tmp)
         state = {"step": step, "microbatches_per_step": trainer.M, **(extra_state or {})}
         write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2))
         if final.exists():

@@ -19,7 +19,8 @@ import yaml
 from nanotron.config import Config, DataArgs, LlamaConfig, PretrainDatasetsArgs, get_config_from_dict
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload")
+from nanotron_recover.inject import PHASES
+
 
 
 class ConfigError(ValueError):
@@ -41,11 +42,14 @@ class FaultToleranceArgs:
     """The ``fault_tolerance:`` section.
 
     Args:
-        enabled: ReCoVer path (ULFM cross-replica reduction). False: stock nanotron data path.
+        enabled: ReCoVer path (ULFM cross-replica reduction). False: stock nanotron data path (where an
+            ``inject`` schedule kills the whole job, as stock nanotron would die: the checkpoint-restart baseline).
         min_replicas: below this many live replicas the run saves a checkpoint and stops (exit code 3).
         spare_replicas: idle replicas that replace failed ones before quotas grow on the survivors.
         collective_timeout_s: timeout of every torch process group inside a replica (safety net).
         reduce_bucket_mb: size of the flat fp32 gradient buckets reduced across replicas.
+        keep_global_batch: True (ReCoVer): every step commits all M microbatches. False: the shrinking-batch
+            baseline (torchft-style): a failed replica's microbatches are dropped, the batch shrinks.
         inject: a deterministic failure schedule (tests, benchmarks): real SIGKILLs.
     """
 
@@ -54,6 +58,7 @@ class FaultToleranceArgs:
     spare_replicas: int = 0
     collective_timeout_s: float = 60.0
     reduce_bucket_mb: float = 4.0
+    keep_global_batch: bool = True
     inject: List[FailureInjection] = field(default_factory=list)
 
 

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload")
+# "repair": the process dies inside the survivors' repair (after Shrink): a failure during recovery.
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload", "repair")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Exit codes: 0 done (also for a rank whose replica was evicted), 2 bad input, 3 f
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -37,6 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_stock(config, run_dir, timeout_s)
 
 
+def record_exit(run_dir: Path, rank: int, code: int, reason: str) -> None:
+    """``<run_dir>/exits/rank-<r>.json``: how each rank ended (mpirun's own exit code says little under ULFM)."""
+    folder = run_dir / "exits"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "reason": reason}))
+
+
 def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
     import torch.distributed as torch_dist
 
@@ -48,6 +56,7 @@ def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
     trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
     trainer.train()
     torch_dist.barrier()
+    record_exit(run_dir, torch_dist.get_rank(), 0, "finished")
     torch_dist.destroy_process_group()
     return 0
 
@@ -62,11 +71,13 @@ def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
     from nanotron_recover.trainer import RecoverTrainer
 
     dp = ResilientDataParallel(config, timeout_s)
-    code = 0
+    dp.on_exit = lambda code, reason: record_exit(run_dir, dp.ft.rank, code, reason)
+    code, reason = 0, "finished"
     try:
         trainer = RecoverTrainer(config, run_dir, dp)
         trainer.train()
     except ReplicaEvicted as e:
+        reason = f"evicted: {e}"
         print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
     except BelowMinimumReplicas as e:
         print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {e.last_committed_step}", flush=True)
@@ -74,15 +85,22 @@ def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
             dp.save_checkpoint(trainer, e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
         trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": e.last_committed_step})
         trainer.metrics.close()
-        code = EXIT_BELOW_MIN_REPLICAS
-    except BaseException:
-        # A bug, not a fault: the same error would hit every replica. Abort the whole job at once instead of
-        # leaving the other ranks to wait out their torch timeouts.
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
+        code, reason = EXIT_BELOW_MIN_REPLICAS, str(e)
+    except Exception as error:
+        try:
+            dp.join_repair_after_error()  # a dead replica-mate broke our torch traffic: leave with the repair
+        except ReplicaEvicted as e:
+            code, reason = 0, f"evicted after {type(error).__name__}: {e}"
+            print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
+        else:
+            # A bug, not a fault: the same error would hit every replica. Abort the whole job at once instead of
+            # leaving the other ranks to wait out their torch timeouts.
+            traceback.print_exc()
+            sys.stderr.flush()
+            from mpi4py import MPI
 
-        MPI.COMM_WORLD.Abort(1)
+            MPI.COMM_WORLD.Abort(1)
+    dp.on_exit(code, reason)
     sys.stdout.flush()
     dp.shutdown(code=code)
     return code

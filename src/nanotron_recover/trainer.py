@@ -95,7 +95,8 @@ class RecoverTrainer:
         self.dataset = build_dataset(
             config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
         )
-        schedule = [dataclasses.asdict(entry) for entry in config.fault_tolerance.inject] if config.ft_enabled else []
+        # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
+        schedule = [dataclasses.asdict(entry) for entry in config.fault_tolerance.inject] if config.fault_tolerance else []
         self.injector = FailureInjector(schedule, self.dp.replica, self.dp.local_rank)
         self._install_phase_hooks()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
@@ -154,14 +155,14 @@ class RecoverTrainer:
     def train(self) -> None:
         self.step = self.checkpoints.maybe_resume(self)
         total = self.config.tokens.train_steps
-        tokens_per_step = self.M * self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
+        tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
         while self.step < total:
             step = self.step + 1
             t0 = time.perf_counter()
             result = self.train_step(step)
             elapsed = time.perf_counter() - t0
             self.step = step
-            self.log_step(result, elapsed, tokens_per_step)
+            self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
             self._current_step = step
             if self.checkpoints.due(step):
                 self.injector.maybe_fail(step, "checkpoint")

@@ -274,9 +274,17 @@ def test_bad_args():
     with pytest.raises(ValueError):
         GradBuckets(list(m.named_parameters()), 0, "cpu")
     with pytest.raises(ValueError):
-        GradBuckets([], 1.0, "cpu")
-    with pytest.raises(ValueError):
         GradBuckets(list(m.named_parameters()), 1.0, "cpu", snapshot_slots=0)
+
+
+def test_rank_without_parameters_has_one_empty_bucket():
+    """A pipeline stage holding only the loss still joins every reduction of its coordinate."""
+    b = GradBuckets([], 1.0, "cpu")
+    assert b.num_buckets == 1 and b.numel == 0
+    assert [v.size for v in b.numpy_views()] == [0]
+    b.snapshot_bucket(0, step=1, epoch=0)
+    assert b.restore(1) == [0]
+    assert b.release(1)
 
 
 def test_frozen_and_tied_params():

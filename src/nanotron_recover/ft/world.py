@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from .errors import FailureDetected, ReplicaEvicted, error_class
 from .events import RepairEvent
-from .layout import ReplicaLayout, original_ranks, split_coord_comm, try_revoke
+from .layout import ReplicaLayout, split_coord_comm, try_revoke
 from .repair import HEALTHY_BIT, run_repair
 from .watcher import FailureWatcher
 

@@ -13,9 +13,8 @@ Spares replace failed replicas at the next step boundary, after a state copy fro
 from __future__ import annotations
 
 import datetime
-import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import nanotron_recover.nanotron_compat  # noqa: F401
 import numpy as np
@@ -53,6 +52,7 @@ class ResilientDataParallel(DataParallelStrategy):
         self.config = config
         self.M = config.microbatches_per_step
         self.min_replicas = ft_args.min_replicas
+        self.keep_global_batch = ft_args.keep_global_batch
         world = MPI.COMM_WORLD
         if world.Get_size() != config.world_size:
             raise SystemExit(
@@ -80,6 +80,7 @@ class ResilientDataParallel(DataParallelStrategy):
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
         self.recovery_events: list[RepairEvent] = []
+        self.on_exit: Callable[[int, str], None] = lambda code, reason: None
 
     # ------------------------------------------------------------------------------------------------- model
     def attach_model(self, trainer: "RecoverTrainer") -> None:
@@ -100,7 +101,7 @@ class ResilientDataParallel(DataParallelStrategy):
         recoveries = 0
         while True:
             try:
-                work += self._compute(trainer, step, todo)
+                work += trainer.compute(step, todo, loss_divisor=self.M)
                 todo = []
                 self._reduce(trainer, step, work)
                 if not self.ft.agree(True):  # the commit point: once per attempt, on every live rank
@@ -110,36 +111,41 @@ class ResilientDataParallel(DataParallelStrategy):
                 recoveries += 1
                 plan, todo = self._recover(trainer, step, plan)
         self.buckets.release(step)
+        committed = int(round(self._stats[1]))
+        loss = float(self._stats[0])
+        if committed != self.M:  # only the shrinking-batch baseline: average over what was committed
+            self.buckets.flat.mul_(self.M / committed)
+            loss *= self.M / committed
         return CommittedStep(
-            loss=float(self._stats[0]),
-            microbatches=int(round(self._stats[1])),
+            loss=loss,
+            microbatches=committed,
             epoch=self.ft.epoch,
             live_replicas=len(plan),
             recoveries=recoveries,
         )
 
-    def _compute(self, trainer: "RecoverTrainer", step: int, indices: list[int]) -> LocalWork:
-        """Forward/backward; a torch error inside the replica means a replica-mate died (or a bug)."""
-        try:
-            return trainer.compute(step, indices, loss_divisor=self.M)
-        except RuntimeError as e:
-            if self._failure_confirmed():
-                raise FailureDetected(f"replica {self.replica}'s torch group broke: {e}") from e
-            raise  # no process died: a bug, the same on every replica (train.py aborts the job)
+    def join_repair_after_error(self) -> None:
+        """After an unexpected error: if a process died, this rank's replica broke under it (a torch error from a
+        dead replica-mate); take part in the survivors' repair, which evicts this rank (``ReplicaEvicted``).
 
-    def _failure_confirmed(self) -> bool:
-        """Wait for ULFM to name a dead process (at most the detector's heartbeat timeout plus a margin)."""
+        Returns normally when no process died (the error is a bug, not a fault) or when the repair kept this
+        rank (then the error was not caused by the failure): the caller aborts.
+        """
         deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 2.0
-        while time.monotonic() < deadline:
-            if self.ft.failure_pending():
-                return True
+        while not self.ft.failure_pending():
+            if time.monotonic() > deadline:
+                return
             time.sleep(0.01)
-        return False
+        self.ft.repair()
 
     def _plan(self, step: int) -> Plan:
-        """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did."""
-        by_slot = plan_step(step, self.M, self.roster.active_slots())
-        return {self.roster.replica_in_slot(slot): ix for slot, ix in by_slot.items()}
+        """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.
+
+        Shrinking-batch baseline: the failure-free plan minus the slots that were lost.
+        """
+        slots = self.roster.active_slots()
+        by_slot = plan_step(step, self.M, slots if self.keep_global_batch else range(self.config.parallelism.dp))
+        return {self.roster.replica_in_slot(slot): by_slot[slot] for slot in slots}
 
     def _reduce(self, trainer: "RecoverTrainer", step: int, work: LocalWork) -> None:
         """SUM every bucket across the computing replicas, then the step's loss and microbatch count world-wide."""
@@ -157,9 +163,13 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def _recover(self, trainer: "RecoverTrainer", step: int, plan: Plan) -> tuple[Plan, list[int]]:
         """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
+        self.ft.repair_hook = lambda point, attempt: (
+            trainer.injector.maybe_fail(step, "repair") if point == "after_shrink" else None
+        )
         event = self.ft.repair()  # raises ReplicaEvicted on a rank of a failed replica
         self.recovery_events.append(event)
         trainer.had_failure = True
+        trainer.metrics.set_logging(self.is_logging_rank())  # the logging rank may have been the victim
         change = self.roster.on_failure(event.failed_replicas)
         trainer.metrics.log_event({"event": "repair", "step": step, "phase": "in-step", **event.as_dict(),
                                    "activated_spares": list(change.activated)})
@@ -170,7 +180,7 @@ class ResilientDataParallel(DataParallelStrategy):
             self._pending_activation = True
         if self.buckets.has_snapshot(step):
             self.buckets.restore(step)
-        orphans = orphans_of(plan, event.failed_replicas)
+        orphans = orphans_of(plan, event.failed_replicas) if self.keep_global_batch else []
         extra = replan_orphans(orphans, survivors, plan)
         return merge(plan, extra, event.failed_replicas), extra.get(self.replica, [])
 
@@ -189,6 +199,7 @@ class ResilientDataParallel(DataParallelStrategy):
             except FailureDetected:
                 event = self.ft.repair()
                 self.recovery_events.append(event)
+                trainer.metrics.set_logging(self.is_logging_rank())
                 change = self.roster.on_failure(event.failed_replicas)
                 donors -= set(event.failed_replicas)
                 trainer.metrics.log_event({"event": "repair", "step": step, "phase": "spare-activation",
@@ -221,8 +232,9 @@ class ResilientDataParallel(DataParallelStrategy):
         )
 
     def _on_evict(self, reason: BaseException) -> None:
+        """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
         print(f"[nanotron-recover] replica {self.replica} rank {self.local_rank}: {reason}; exiting 0", flush=True)
-        sys.stdout.flush()
+        self.on_exit(0, f"evicted by watcher: {reason}")
 
     def shutdown(self, code: int = 0) -> None:
         self.ft.shutdown(had_failure=self.ft.had_failure, code=code)

@@ -1,0 +1,465 @@
+"""Shared helpers of the baseline benchmarks: configs, launching (with relaunch bookkeeping), and the
+accounting every comparison uses (wall time, process-seconds, committed tokens, recovery breakdowns).
+
+Everything here is measured from what a run wrote: ``metrics.jsonl`` (every record carries ``time``, the wall
+clock when it was written), the ``[inject] KILL ... t=<time>`` line a failing rank prints just before its
+SIGKILL, and the driver's own launch / exit timestamps. Nothing is modelled or assumed.
+
+Definitions (also in benchmarks/RESULTS.md):
+
+* process-seconds: the integral over the run of the number of live processes (our stand-in for GPU-hours).
+  A process counts from its job's launch until it dies (the injected SIGKILL), its replica is evicted (ReCoVer:
+  the repair's end), or its job ends. Gaps between a dead job and its relaunch count with the processes the
+  relaunch will hold (the allocation is held while waiting).
+* committed tokens: tokens of the steps in the final trajectory (a step recomputed after a restart counts once).
+* effective throughput: committed tokens / process-seconds (= tokens / second / live process).
+* progress curve: (process-seconds so far, committed tokens of the newest step whose state still exists). A
+  checkpoint-restart job drops back to its checkpoint at each relaunch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+KILL_RE = re.compile(r"\[inject\] KILL replica (\d+) local rank (\d+) pid \d+ at step (\d+) phase (\w+) t=([\d.]+)")
+RESUME_RE = re.compile(r"resumed from .* at step (\d+)")
+
+# The project's stock-format tiny Llama (the same fields as tests/fixtures/stock_nanotron.yaml; benchmarks do
+# not import from tests/). Sizes are overridden by ``make_config``.
+_BASE: dict[str, Any] = {
+    "checkpoints": {
+        "checkpoint_interval": 1000,
+        "checkpoints_path": "checkpoints",
+        "checkpoints_path_is_shared_file_system": False,
+        "resume_checkpoint_path": None,
+        "save_initial_state": False,
+    },
+    "data": {"dataset": None, "num_loading_workers": 1, "seed": 7},
+    "general": {
+        "benchmark_csv_path": None,
+        "consumed_train_samples": None,
+        "ignore_sanity_checks": True,
+        "project": "benchmarks",
+        "run": "bench",
+        "seed": 7,
+        "step": None,
+    },
+    "lighteval": None,
+    "logging": {"iteration_step_info_interval": 1, "log_level": "warning", "log_level_replica": "warning"},
+    "model": {
+        "ddp_bucket_cap_mb": 25,
+        "dtype": "float32",
+        "init_method": {"std": 0.02},
+        "make_vocab_size_divisible_by": 1,
+        "model_config": {
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 32,
+            "initializer_range": 0.02,
+            "intermediate_size": 64,
+            "is_llama_config": True,
+            "max_position_embeddings": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 2,
+            "pad_token_id": None,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1.0e-05,
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+            "vocab_size": 128,
+        },
+    },
+    "optimizer": {
+        "accumulate_grad_in_fp32": True,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_eps": 1.0e-08,
+        "clip_grad": 1.0,
+        "learning_rate_scheduler": {
+            "learning_rate": 0.001,
+            "lr_decay_starting_step": None,
+            "lr_decay_steps": 8,
+            "lr_decay_style": "cosine",
+            "lr_warmup_steps": 2,
+            "lr_warmup_style": "linear",
+            "min_decay_lr": 1.0e-05,
+        },
+        "torch_adam_is_fused": False,
+        "weight_decay": 0.01,
+        "zero_stage": 0,
+    },
+    "parallelism": {
+        "dp": 2,
+        "pp": 1,
+        "pp_engine": "afab",
+        "tp": 1,
+        "tp_linear_async_communication": False,
+        "tp_mode": "ALL_REDUCE",
+    },
+    "profiler": None,
+    "tokenizer": {"tokenizer_max_length": None, "tokenizer_name_or_path": None, "tokenizer_revision": None},
+    "tokens": {
+        "batch_accumulation_per_replica": 2,
+        "limit_test_batches": 0,
+        "limit_val_batches": 0,
+        "micro_batch_size": 2,
+        "sequence_length": 16,
+        "train_steps": 10,
+        "val_check_interval": -1,
+    },
+}
+
+
+@dataclass
+class ModelSize:
+    hidden: int = 32
+    intermediate: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 128
+    seq: int = 16
+    micro_batch: int = 2
+
+    def describe(self) -> str:
+        return (f"Llama hidden {self.hidden}, ffn {self.intermediate}, {self.layers} layers, {self.heads} heads "
+                f"({self.kv_heads} kv), vocab {self.vocab}, seq {self.seq}, micro-batch {self.micro_batch}")
+
+
+def add_size_args(ap) -> None:
+    d = ModelSize()
+    ap.add_argument("--hidden", type=int, default=d.hidden)
+    ap.add_argument("--intermediate", type=int, default=d.intermediate)
+    ap.add_argument("--layers", type=int, default=d.layers)
+    ap.add_argument("--seq", type=int, default=d.seq)
+    ap.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    ap.add_argument("--vocab", type=int, default=d.vocab)
+
+
+def size_from_args(args) -> ModelSize:
+    return ModelSize(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, seq=args.seq,
+                     micro_batch=args.micro_batch, vocab=args.vocab)
+
+
+def make_config(
+    *,
+    dp: int,
+    accumulation: int,
+    steps: int,
+    size: ModelSize = ModelSize(),
+    tp: int = 1,
+    pp: int = 1,
+    fault_tolerance: dict | None = None,
+    checkpoint_interval: int = 100000,
+    checkpoints_path: str = "checkpoints",
+) -> dict:
+    """A stock-format tiny Llama config; M = dp * accumulation global microbatches per step."""
+    c = copy.deepcopy(_BASE)
+    c["parallelism"].update(dp=dp, tp=tp, pp=pp)
+    c["tokens"].update(batch_accumulation_per_replica=accumulation, train_steps=steps,
+                       sequence_length=size.seq, micro_batch_size=size.micro_batch)
+    mc = c["model"]["model_config"]
+    mc.update(hidden_size=size.hidden, intermediate_size=size.intermediate, num_hidden_layers=size.layers,
+              num_attention_heads=size.heads, num_key_value_heads=size.kv_heads, vocab_size=size.vocab,
+              max_position_embeddings=max(64, size.seq))
+    c["checkpoints"].update(checkpoint_interval=checkpoint_interval, checkpoints_path=checkpoints_path)
+    c["optimizer"]["learning_rate_scheduler"].update(lr_warmup_steps=2, lr_decay_steps=max(1, steps - 2))
+    if fault_tolerance is not None:
+        c["fault_tolerance"] = fault_tolerance
+    return c
+
+
+def tokens_per_microbatch(config: dict) -> int:
+    return config["tokens"]["micro_batch_size"] * config["tokens"]["sequence_length"]
+
+
+def ranks_per_replica(config: dict) -> int:
+    return config["parallelism"]["tp"] * config["parallelism"]["pp"]
+
+
+def n_processes(config: dict) -> int:
+    ft = config.get("fault_tolerance") or {}
+    spares = ft.get("spare_replicas", 0) if ft.get("enabled") else 0
+    return (config["parallelism"]["dp"] + spares) * ranks_per_replica(config)
+
+
+# ------------------------------------------------------------------------------------------------ attempts
+@dataclass
+class Kill:
+    t: float
+    step: int
+    replica: int
+    rank: int
+    phase: str
+
+
+@dataclass
+class Attempt:
+    """One ``mpirun`` job: launched at ``launch_t`` with ``n_procs`` processes, exited at ``end_t``."""
+
+    run_dir: str
+    n_procs: int
+    launch_t: float
+    end_t: float
+    returncode: int
+    steps: list[dict]
+    events: list[dict]
+    kills: list[Kill]
+    resumed_from: int
+    dp: int = 0
+    accumulation: int = 0
+    load_avg_1min: float = 0.0  # machine load when the job was launched (other users' jobs show up here)
+
+    @property
+    def first_step_start(self) -> float | None:
+        if not self.steps:
+            return None
+        s = self.steps[0]
+        return s["time"] - s["step_time_s"]
+
+
+RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
+
+
+def launch(config: dict, run_dir: Path, *, timeout_s: float = 900) -> Attempt:
+    """One job: the real launcher's ``mpirun`` line (``nanotron_recover.launch.train_command``), with the per-rank
+    program ``benchmarks/rank_entry.py`` (= ``nanotron_recover.train`` + the CPU resume fix); returns its timeline.
+    Killed (with its process group) after ``timeout_s``."""
+    import os
+    import signal
+    import subprocess
+
+    from nanotron_recover.launch import build_parser, train_command
+    from nanotron_recover.runs import read_metrics, write_config
+
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = write_config(config, run_dir / "config.yaml")
+    args = build_parser().parse_args(["train", "--config-file", str(cfg_path), "--run-dir", str(run_dir),
+                                      "--synthetic-data"])
+    cmd, _, _ = train_command(args)
+    i = cmd.index("nanotron_recover.train")
+    assert cmd[i - 1] == "-m", cmd
+    cmd = cmd[: i - 1] + [str(RANK_ENTRY)] + cmd[i + 1:]
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise TimeoutError(f"{run_dir}: job did not finish in {timeout_s} s:\n{output[-4000:]}") from None
+    t1 = time.time()
+    (run_dir / "output.log").write_text(output)
+    all_steps, all_events = read_metrics(run_dir)
+    kills = [Kill(float(m[4]), int(m[2]), int(m[0]), int(m[1]), m[3]) for m in KILL_RE.findall(output)]
+    steps = [s for s in all_steps if s.get("time", 0) >= t0]  # every attempt has its own dir; be safe anyway
+    m = RESUME_RE.search(output)
+    return Attempt(str(run_dir), n_processes(config), t0, t1, proc.returncode, steps,
+                   [e for e in all_events if e.get("time", 0) >= t0], sorted(kills, key=lambda k: k.t),
+                   int(m.group(1)) if m else 0, config["parallelism"]["dp"],
+                   config["tokens"]["batch_accumulation_per_replica"], load0)
+
+
+# ------------------------------------------------------------------------------------------------ accounting
+@dataclass
+class RunSummary:
+    name: str
+    attempts: list[Attempt]
+    target_steps: int
+    segments: list[tuple[float, float, int]] = field(default_factory=list)  # (t0, t1, live processes)
+    trajectory: dict[int, dict] = field(default_factory=dict)  # step -> record of the final trajectory
+    progress: list[tuple[float, float]] = field(default_factory=list)  # (process-seconds, committed tokens)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # -- derived numbers
+    @property
+    def t0(self) -> float:
+        return self.attempts[0].launch_t
+
+    @property
+    def wall_s(self) -> float:
+        return self.attempts[-1].end_t - self.t0
+
+    @property
+    def process_seconds(self) -> float:
+        return sum((b - a) * n for a, b, n in self.segments)
+
+    @property
+    def committed_tokens(self) -> int:
+        return int(sum(r["tokens"] for r in self.trajectory.values()))
+
+    @property
+    def final_step(self) -> int:
+        return max(self.trajectory) if self.trajectory else 0
+
+    @property
+    def effective_throughput(self) -> float:
+        return self.committed_tokens / self.process_seconds if self.process_seconds else 0.0
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.trajectory[self.final_step]["loss"] if self.trajectory else None
+
+    def process_seconds_at(self, t: float) -> float:
+        return sum(max(0.0, min(b, t) - a) * n for a, b, n in self.segments if a < t)
+
+    def tokens_at_process_seconds(self, budget: float) -> float:
+        """Committed tokens (progress curve, a step function) once ``budget`` process-seconds were spent."""
+        value = 0.0
+        for ps, tok in self.progress:
+            if ps > budget + 1e-9:
+                break
+            value = tok
+        return value
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "target_steps": self.target_steps,
+            "final_step": self.final_step,
+            "wall_s": self.wall_s,
+            "process_seconds": self.process_seconds,
+            "committed_tokens": self.committed_tokens,
+            "effective_throughput_tokens_per_process_s": self.effective_throughput,
+            "final_loss": self.final_loss,
+            "launches": len(self.attempts),
+            "losses": {str(k): v["loss"] for k, v in sorted(self.trajectory.items())},
+            "microbatches": {str(k): v["microbatches"] for k, v in sorted(self.trajectory.items())},
+            "progress": self.progress,
+            "segments": self.segments,
+            **self.extra,
+            "attempts": [
+                {**{k: v for k, v in asdict(a).items() if k not in ("steps", "events")},
+                 "n_steps_logged": len(a.steps), "first_step": a.steps[0]["step"] if a.steps else None,
+                 "last_step": a.steps[-1]["step"] if a.steps else None}
+                for a in self.attempts
+            ],
+        }
+
+
+def summarize(name: str, attempts: list[Attempt], target_steps: int, rpr: int, gap_procs: Sequence[int] | None = None) -> RunSummary:
+    """Segments of live processes, the final trajectory and the progress curve of a run of 1+ attempts.
+
+    ``gap_procs[i]``: processes held during the gap before attempt i+1 (default: attempt i+1's size).
+    """
+    summary = RunSummary(name, attempts, target_steps)
+    segs: list[tuple[float, float, int]] = []
+    for i, a in enumerate(attempts):
+        # process deaths inside this job: injected kills; ReCoVer also evicts the rest of a failed replica
+        drops: list[tuple[float, int]] = [(k.t, 1) for k in a.kills]
+        for e in a.events:
+            if e.get("event") == "repair":
+                evicted = e.get("evicted_ranks") or []
+                if evicted:
+                    drops.append((float(e.get("wall_time") or e["time"]), len(evicted)))
+        drops.sort()
+        t, n = a.launch_t, a.n_procs
+        for td, k in drops:
+            td = min(max(td, t), a.end_t)
+            segs.append((t, td, n))
+            t, n = td, max(0, n - k)
+        segs.append((t, a.end_t, n))
+        if i + 1 < len(attempts):
+            nxt = attempts[i + 1]
+            held = gap_procs[i] if gap_procs is not None else nxt.n_procs
+            segs.append((a.end_t, nxt.launch_t, held))
+    summary.segments = [(a, b, n) for a, b, n in segs if b > a]
+
+    # final trajectory (last execution of each step wins) and the progress curve
+    cum: dict[int, float] = {0: 0.0}
+    progress: list[tuple[float, float]] = [(0.0, 0.0)]
+    traj: dict[int, dict] = {}
+    for a in attempts:
+        progress.append((summary.process_seconds_at(a.launch_t), cum.get(a.resumed_from, 0.0)))
+        for s in a.steps:
+            traj[s["step"]] = s
+            cum[s["step"]] = cum.get(s["step"] - 1, 0.0) + s["tokens"]
+            progress.append((summary.process_seconds_at(s["time"]), cum[s["step"]]))
+        # a job that died: its steps after its last checkpoint are lost (the next attempt drops back)
+    summary.trajectory = dict(sorted(traj.items()))
+    summary.progress = progress
+    return summary
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def normal_step_times(steps: list[dict], *, skip_first: int = 2, checkpoint_interval: int | None = None,
+                      exclude: Iterable[int] = ()) -> list[float]:
+    """Step times of undisturbed steps: not the first ``skip_first`` of a job, not right after a checkpoint
+    (the save lands between two records and is not in ``step_time_s``, but a cache-cold next step may be), not
+    a failure step."""
+    excl = set(exclude)
+    out = []
+    for i, s in enumerate(steps):
+        if i < skip_first or s["step"] in excl or s.get("recoveries"):
+            continue
+        if checkpoint_interval and (s["step"] - 1) % checkpoint_interval == 0 and s["step"] > 1:
+            continue
+        out.append(s["step_time_s"])
+    return out
+
+
+def checkpoint_save_times(a: Attempt, interval: int) -> list[float]:
+    """Seconds between a checkpoint step's record and the start of the next step (the save sits there)."""
+    by_step = {s["step"]: s for s in a.steps}
+    out = []
+    for k, s in by_step.items():
+        if k % interval == 0 and (k + 1) in by_step:
+            nxt = by_step[k + 1]
+            out.append((nxt["time"] - nxt["step_time_s"]) - s["time"])
+    return out
+
+
+def finite_positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return "n/a"
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return "n/a" if v is None else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    import os
+    import platform
+
+    return (f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, CPU only, "
+            f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def command_line(argv: Sequence[str] | None, script: str) -> str:
+    import shlex
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join([".venv/bin/python", script, *args])

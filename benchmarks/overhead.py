@@ -1,0 +1,103 @@
+"""Failure-free step time: ReCoVer (ULFM path, fault tolerance on) vs the plain path (stock nanotron data path:
+one torch world, DDP over gloo, fault tolerance off), the same config, interleaved runs.
+
+Per run the median step time over the undisturbed steps (the first 2 steps of a job are warm-up and left out;
+no checkpoints are taken). Runs alternate (stock, ReCoVer, ReCoVer, stock, ...) so slow drifts of the machine's
+load hit both sides; the result is the median over runs of the per-run medians, and their ratio
+(ReCoVer / stock; below 1 = ReCoVer faster). Writes overhead.json / overhead.md / overhead.png under --out.
+
+Example:
+  .venv/bin/python benchmarks/overhead.py --dp 4 --accumulation 2 --steps 30 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import bench_lib as bl
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--accumulation", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per path")
+    ap.add_argument("--out", default="runs/bench/overhead")
+    ap.add_argument("--timeout-s", type=float, default=900)
+    bl.add_size_args(ap)
+    ap.set_defaults(hidden=64, intermediate=256, layers=2, seq=64, micro_batch=2)
+    args = ap.parse_args(argv)
+    size = bl.size_from_args(args)
+    out = Path(args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+
+    def config(ft: dict | None) -> dict:
+        return bl.make_config(dp=args.dp, tp=args.tp, pp=args.pp, accumulation=args.accumulation, steps=args.steps,
+                              size=size, fault_tolerance=ft)
+
+    paths = {"stock": None, "recover": {"enabled": True}}
+    order = []
+    for i in range(args.repeats):
+        order += ["stock", "recover"] if i % 2 == 0 else ["recover", "stock"]
+    per_run: dict[str, list[dict]] = {"stock": [], "recover": []}
+    for k, name in enumerate(order):
+        a = bl.launch(config(paths[name]), out / f"{k:02d}_{name}", timeout_s=args.timeout_s)
+        times = bl.normal_step_times(a.steps)
+        if not a.steps or a.steps[-1]["step"] < args.steps:
+            raise RuntimeError(f"{name} run {k} stopped early:\n{(Path(a.run_dir) / 'output.log').read_text()[-3000:]}")
+        per_run[name].append({"median_step_s": bl.median(times), "n_steps": len(times), "load_avg_1min": a.load_avg_1min,
+                              "wall_s": a.end_t - a.launch_t, "step_times": [s["step_time_s"] for s in a.steps]})
+        print(f"[overhead] run {k + 1}/{len(order)} {name}: median step {bl.median(times) * 1000:.2f} ms "
+              f"(load {a.load_avg_1min:.1f})", flush=True)
+    med = {n: bl.median(r["median_step_s"] for r in runs) for n, runs in per_run.items()}
+    ratio = med["recover"] / med["stock"]
+    command = bl.command_line(argv, "benchmarks/overhead.py")
+    M = args.dp * args.accumulation
+    setup = (f"{args.dp} replicas x TP{args.tp} x PP{args.pp}, M = {M} microbatches/step, {args.steps} steps, "
+             f"{size.describe()}, synthetic data, no failures, no checkpoints")
+    data = {"command": command, "machine": bl.machine_line(), "setup": setup, "median_step_s": med, "ratio": ratio,
+            "order": order, "runs": per_run}
+    bl.write_json(out / "overhead.json", data)
+    rows = [[n, len(per_run[n]), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in per_run[n]), med[n] * 1000]
+            for n in ("stock", "recover")]
+    md = "\n".join([
+        f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
+        bl.md_table(["path", "runs", "per-run median step (ms)", "median (ms)"], rows), "",
+        f"ratio ReCoVer / stock = {ratio:.3f}",
+    ]) + "\n"
+    (out / "overhead.md").write_text(md)
+    _plot(per_run, out / "overhead.png", setup)
+    print(md)
+    print(f"overhead={ratio:.3f}")
+    return data
+
+
+def _plot(per_run: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in per_run.items():
+        for i, r in enumerate(runs):
+            ax.plot(range(1, len(r["step_times"]) + 1), [t * 1000 for t in r["step_times"]],
+                    color="C0" if name == "stock" else "C1", alpha=0.7, label=name if i == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# A throwaway one-node Slurm cluster for tests and demos, everything under one scratch folder.
+#
+#   scripts/slurm/cluster.sh up     <scratch_dir>   # munged + slurmctld + slurmd, waits until the node is idle
+#   scripts/slurm/cluster.sh status <scratch_dir>   # daemons alive? sinfo
+#   scripts/slurm/cluster.sh down   <scratch_dir>   # stops the three daemons by the pids in their pid files
+#   scripts/slurm/cluster.sh env    <scratch_dir>   # prints `export SLURM_CONF=...` (eval it to use sbatch etc.)
+#
+# Needs root and Debian's `slurmctld slurmd slurm-client munge` (scripts/ci_install_slurm.sh installs them).
+# No systemd, no cgroups, no accounting (sacct is off: use `scontrol show job`, `sbatch --wait`, squeue).
+# The node declares CLUSTER_CPUS CPUs (default 16, more than the cores: SlurmdParameters=config_overrides) so
+# that jobs with more ranks than cores start; the partition has OverSubscribe=FORCE:4.
+# Ports: CLUSTER_CTLD_PORT / CLUSTER_SLURMD_PORT, else two free ports are picked.
+# cred_expire (CLUSTER_CRED_EXPIRE, default 5 s; Slurm default 120 s) is also how long a requeued job waits
+# before it may start again.
+# Clients need SLURM_CONF=<scratch_dir>/slurm.conf (see `env`).
+set -euo pipefail
+
+usage() { echo "usage: $0 up|down|status|env <scratch_dir>" >&2; exit 2; }
+[[ $# -eq 2 ]] || usage
+action=$1
+scratch=$(mkdir -p "$2" && cd "$2" && pwd)
+conf=$scratch/slurm.conf
+export SLURM_CONF=$conf
+PY=${PYTHON:-python3}
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+pid_alive() {  # pid_alive <pidfile>
+    [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
+write_conf() {
+    local host ctld_port slurmd_port cpus
+    host=$(hostname -s)
+    ctld_port=${CLUSTER_CTLD_PORT:-$(free_port)}
+    slurmd_port=${CLUSTER_SLURMD_PORT:-$(free_port)}
+    cpus=${CLUSTER_CPUS:-16}
+    mkdir -p "$scratch"/{state,spool,log,run}
+    cat >"$conf" <<EOF
+# written by scripts/slurm/cluster.sh: a throwaway one-node cluster
+ClusterName=recover
+SlurmctldHost=$host
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$scratch/munge/munge.sock,cred_expire=${CLUSTER_CRED_EXPIRE:-5}
+StateSaveLocation=$scratch/state
+SlurmdSpoolDir=$scratch/spool
+SlurmctldPidFile=$scratch/run/slurmctld.pid
+SlurmdPidFile=$scratch/run/slurmd.pid
+SlurmctldLogFile=$scratch/log/slurmctld.log
+SlurmdLogFile=$scratch/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=5
+MinJobAge=600
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=1 State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+EOF
+}
+
+start_munge() {
+    local m=$scratch/munge
+    mkdir -p "$m/key" "$m/log"
+    if [[ ! -s $m/key/munge.key ]]; then
+        head -c 1024 /dev/urandom >"$m/key/munge.key"
+    fi
+    chown -R munge:munge "$m"
+    chmod 0755 "$m"            # socket dir: clients must reach it
+    chmod 0700 "$m/key" "$m/log"
+    chmod 0400 "$m/key/munge.key"
+    runuser -u munge -- munged --force \
+        --key-file="$m/key/munge.key" --socket="$m/munge.sock" \
+        --pid-file="$m/log/munged.pid" --log-file="$m/log/munged.log" --seed-file="$m/log/munged.seed"
+}
+
+wait_idle() {
+    local i state
+    for i in $(seq 1 300); do
+        state=$(sinfo -h -o '%T' 2>/dev/null | head -n1 || true)
+        if [[ $state == idle* || $state == mixed* ]]; then
+            echo "slurm cluster up in $scratch (node $state)"
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "slurm node did not become idle; logs in $scratch/log" >&2
+    tail -n 20 "$scratch"/log/*.log >&2 || true
+    return 1
+}
+
+cmd_up() {
+    [[ $(id -u) -eq 0 ]] || { echo "cluster.sh up needs root" >&2; exit 1; }
+    for bin in munged slurmctld slurmd sinfo; do
+        command -v "$bin" >/dev/null || { echo "$bin not found: run scripts/ci_install_slurm.sh" >&2; exit 1; }
+    done
+    if pid_alive "$scratch/run/slurmctld.pid"; then
+        echo "already up in $scratch" && return 0
+    fi
+    # munge runs as its own user: it must be able to walk into the scratch folder
+    chmod 0755 "$scratch"
+    if ! runuser -u munge -- test -x "$scratch"; then
+        echo "the munge user cannot reach $scratch (a parent folder is not world-executable)" >&2; exit 1
+    fi
+    write_conf
+    start_munge
+    slurmctld -f "$conf" -i -c
+    slurmd -f "$conf"
+    wait_idle
+}
+
+stop_pidfile() {  # stop_pidfile <pidfile> <name>
+    local pidfile=$1 name=$2 pid i
+    [[ -s $pidfile ]] || return 0
+    pid=$(cat "$pidfile")
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        for i in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "$name ($pid) ignored SIGTERM: SIGKILL" >&2
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    fi
+    rm -f "$pidfile"
+}
+
+cmd_down() {
+    # slurmd first (it kills the job steps it still runs), then the controller, then munge
+    stop_pidfile "$scratch/run/slurmd.pid" slurmd
+    stop_pidfile "$scratch/run/slurmctld.pid" slurmctld
+    stop_pidfile "$scratch/munge/log/munged.pid" munged
+    echo "slurm cluster in $scratch down"
+}
+
+cmd_status() {
+    local rc=0 name file
+    for name in munged slurmctld slurmd; do
+        case $name in
+            munged) file=$scratch/munge/log/munged.pid ;;
+            *) file=$scratch/run/$name.pid ;;
+        esac
+        if pid_alive "$file"; then echo "$name: running (pid $(cat "$file"))"; else echo "$name: stopped"; rc=1; fi
+    done
+    [[ $rc -eq 0 ]] && sinfo
+    return $rc
+}
+
+case $action in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    env) echo "export SLURM_CONF=$conf" ;;
+    *) usage ;;
+esac

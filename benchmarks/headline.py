@@ -1,9 +1,9 @@
 """The headline comparison in one command: ReCoVer vs checkpoint-restart vs shrinking batch vs failure-free.
 
-Default setup (sized for a 2-core CPU machine): 8 replicas (TP1 x PP1, 8 processes) of a tiny Llama, M = 24
-global microbatches per step (accumulation 3), 40 steps, checkpoint every 10 steps for checkpoint-restart; the
-schedule loses half the replicas in two events: replicas 7 and 6 at step 15, replicas 5 and 4 at step 36
-(backward phase, real SIGKILL). Two replicas per event because checkpoint-restart variant A relaunches on the
+Default setup (sized for a 2-core CPU machine): 8 replicas (TP1 x PP1, 8 processes) of a tiny Llama (hidden 128,
+4 layers, seq 128), M = 24 global microbatches per step (accumulation 3), 48 steps, checkpoint every 12 steps for
+checkpoint-restart; the schedule loses half the replicas in two events: replicas 7 and 6 at step 19, replicas 5
+and 4 at step 41 (backward phase, real SIGKILL; checkpoint-restart recomputes 6 + 4 steps). Two replicas per event because checkpoint-restart variant A relaunches on the
 survivors with the same M: 24 divides by 8, 6 and 4 (one replica per event would need M divisible by 7 and 5).
 
 Writes headline.json / headline.md / headline.png (loss curves of ReCoVer, the failure-free reference and both
@@ -31,12 +31,12 @@ import bench_lib as bl
 from ckpt_restart import FailureEvent
 from compare import add_common_args, run_comparison, setup_line, write_report
 
-DEFAULT_SIZE = dict(hidden=64, intermediate=256, layers=2, seq=64, micro_batch=2, vocab=128)
+DEFAULT_SIZE = dict(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=128)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, dp=8, accumulation=3, steps=40, interval=10, fail=["15:7,6", "36:5,4"],
+    add_common_args(ap, dp=8, accumulation=3, steps=48, interval=12, fail=["19:7,6", "41:5,4"],
                     out="runs/bench/headline")
     bl.add_size_args(ap)
     ap.set_defaults(**DEFAULT_SIZE)

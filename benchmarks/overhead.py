@@ -6,8 +6,9 @@ no checkpoints are taken). Runs alternate (stock, ReCoVer, ReCoVer, stock, ...) 
 load hit both sides; the result is the median over runs of the per-run medians, and their ratio
 (ReCoVer / stock; below 1 = ReCoVer faster). Writes overhead.json / overhead.md / overhead.png under --out.
 
-Example:
-  .venv/bin/python benchmarks/overhead.py --dp 4 --accumulation 2 --steps 30 --repeats 3
+Defaults: the headline's model and layout (8 replicas, M = 24, hidden 128, 4 layers, seq 128), 30 steps, 3 runs
+per path. Example at a smaller size:
+  .venv/bin/python benchmarks/overhead.py --dp 4 --accumulation 2 --steps 20 --repeats 2 --hidden 64 --layers 2
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import bench_lib as bl
 
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--accumulation", type=int, default=2)
+    ap.add_argument("--accumulation", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3, help="runs per path")
     ap.add_argument("--out", default="runs/bench/overhead")
     ap.add_argument("--timeout-s", type=float, default=900)
     bl.add_size_args(ap)
-    ap.set_defaults(hidden=64, intermediate=256, layers=2, seq=64, micro_batch=2)
+    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
     args = ap.parse_args(argv)
     size = bl.size_from_args(args)
     out = Path(args.out).resolve()

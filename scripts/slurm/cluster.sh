@@ -127,26 +127,28 @@ cmd_up() {
     wait_idle
 }
 
-stop_pidfile() {  # stop_pidfile <pidfile> <name>
-    local pidfile=$1 name=$2 pid i
-    [[ -s $pidfile ]] || return 0
-    pid=$(cat "$pidfile")
-    if kill -0 "$pid" 2>/dev/null; then
-        kill -TERM "$pid" 2>/dev/null || true
-        for i in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        if kill -0 "$pid" 2>/dev/null; then
-            echo "$name ($pid) ignored SIGTERM: SIGKILL" >&2
-            kill -KILL "$pid" 2>/dev/null || true
-        fi
-    fi
-    rm -f "$pidfile"
+stop_pidfiles() {  # stop_pidfiles <pidfile>...: SIGTERM them all, wait up to 5 s, SIGKILL what is left
+    local pidfile pid i alive pids=()
+    for pidfile in "$@"; do
+        [[ -s $pidfile ]] || continue
+        pid=$(cat "$pidfile")
+        kill -0 "$pid" 2>/dev/null && kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+        rm -f "$pidfile"
+    done
+    for i in $(seq 1 50); do
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [[ $alive -eq 0 ]] && return 0
+        sleep 0.1
+    done
+    for pid in "${pids[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then echo "pid $pid ignored SIGTERM: SIGKILL" >&2; kill -KILL "$pid" 2>/dev/null || true; fi
+    done
 }
 
 cmd_down() {
-    # slurmd first (it kills the job steps it still runs), then the controller, then munge
-    stop_pidfile "$scratch/run/slurmd.pid" slurmd
-    stop_pidfile "$scratch/run/slurmctld.pid" slurmctld
-    stop_pidfile "$scratch/munge/log/munged.pid" munged
+    # by the pids in the daemons' own pid files, never by name
+    stop_pidfiles "$scratch/run/slurmd.pid" "$scratch/run/slurmctld.pid" "$scratch/munge/log/munged.pid"
     echo "slurm cluster in $scratch down"
 }
 

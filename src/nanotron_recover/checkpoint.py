@@ -18,6 +18,9 @@ from nanotron.serialize import load_weights, save_meta, save_weights
 from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
+
+install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 
 if TYPE_CHECKING:
     from nanotron_recover.trainer import RecoverTrainer
@@ -55,9 +58,15 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
-    """A checkpoint folder, or a folder holding ``latest.txt`` -> the checkpoint it names (None if none)."""
+    """A checkpoint folder, or a folder holding ``latest.txt`` -> the checkpoint it names (None if none).
+
+    A ``latest.txt`` that names no complete checkpoint is an error: silently starting from step 0 would lose data.
+    """
     if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+        named = path / (path / LATEST).read_text().strip()
+        if not (named / STATE_FILE).is_file():
+            raise FileNotFoundError(f"{path / LATEST} names {named}, which is not a complete checkpoint")
+        return named
     return path if (path / STATE_FILE).is_file() else None
 
 
@@ -91,6 +100,8 @@ class CheckpointManager:
             return
         tmp = self.root / f".tmp-step-{step}"
         final = self.root / str(step)
+        if (final / STATE_FILE).is_file():
+            return  # this step is saved already (e.g. the fallback save right after an interval save)
         if publisher:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -107,14 +118,8 @@ class CheckpointManager:
         _fsync_tree(tmp)
         state = {"step": step, "microbatches_per_step": trainer.M, **(extra_state or {})}
         write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2))
-        if final.exists():
-            old = self.root / f".old-step-{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
+        os.replace(tmp, final)
         _fsync_dir(self.root)
         write_atomically(self.root / LATEST, f"{step}\n")
 

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 # "repair": the process dies inside the survivors' repair (after Shrink): a failure during recovery.
@@ -59,13 +60,23 @@ class FailureInjector:
         schedule: Iterable[Mapping[str, Any] | FailureSpec] | str | None,
         my_replica: int,
         my_local_rank: int,
+        fired_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``fired_dir``: where a marker per fired entry is kept, so that a relaunch of the same run (resuming from
+        a checkpoint, replaying the step) does not fire it again: a failure happens once per run."""
         self.my_replica = my_replica
         self.my_local_rank = my_local_rank
         self.schedule = parse_schedule(schedule)
+        self.fired_dir = Path(fired_dir) if fired_dir is not None else None
         self._mine = {
-            (s.step, s.phase) for s in self.schedule if s.replica == my_replica and s.rank == my_local_rank
+            (s.step, s.phase)
+            for s in self.schedule
+            if s.replica == my_replica and s.rank == my_local_rank and not self._marker(s.step, s.phase).is_file()
         }
+
+    def _marker(self, step: int, phase: str) -> Path:
+        name = f"step{step}-replica{self.my_replica}-rank{self.my_local_rank}-{phase}"
+        return self.fired_dir / name if self.fired_dir is not None else Path(os.devnull) / name
 
     def will_fail(self, step: int, phase: str) -> bool:
         return (step, phase) in self._mine
@@ -76,6 +87,12 @@ class FailureInjector:
             raise ValueError(f"unknown phase {phase!r}")
         if (step, phase) not in self._mine:
             return
+        if self.fired_dir is not None:
+            self.fired_dir.mkdir(parents=True, exist_ok=True)
+            with open(self._marker(step, phase), "w") as f:
+                f.write(f"{time.time():.6f}\n")
+                f.flush()
+                os.fsync(f.fileno())
         sys.stdout.flush()
         sys.stderr.write(
             f"[inject] KILL replica {self.my_replica} local rank {self.my_local_rank} pid {os.getpid()} "

@@ -96,3 +96,40 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def max_loss_diff(a: RunResult, b: RunResult) -> float:
+    """Largest per-step |loss difference| (the runs must have logged the same steps)."""
+    steps_a, steps_b = [s["step"] for s in a.steps], [s["step"] for s in b.steps]
+    if steps_a != steps_b:
+        raise ValueError(f"the runs logged different steps: {steps_a[:5]}... vs {steps_b[:5]}...")
+    return max(abs(x - y) for x, y in zip(a.losses, b.losses))
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    """The newest checkpoint of a run (``latest.txt`` in a relative ``checkpoints`` folder)."""
+    from nanotron_recover.checkpoint import resolve_checkpoint
+
+    found = resolve_checkpoint(Path(run_dir) / "checkpoints")
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint in {run_dir}/checkpoints")
+    return found
+
+
+def max_relative_param_diff(checkpoint_a: Path, checkpoint_b: Path) -> float:
+    """max over weight shards of max|a - b| / max|a|: the worst difference relative to each tensor's scale.
+
+    Both checkpoints must come from the same TP x PP layout (shard files are compared by path).
+    """
+    from safetensors.torch import load_file
+
+    files_a = {p.relative_to(checkpoint_a): p for p in (Path(checkpoint_a) / "model").rglob("*.safetensors")}
+    files_b = {p.relative_to(checkpoint_b): p for p in (Path(checkpoint_b) / "model").rglob("*.safetensors")}
+    if not files_a or files_a.keys() != files_b.keys():
+        raise ValueError(f"checkpoints hold different shards: {sorted(files_a.keys() ^ files_b.keys())[:4]}")
+    worst = 0.0
+    for rel, path in files_a.items():
+        a, b = load_file(path)["data"].double(), load_file(files_b[rel])["data"].double()
+        scale = a.abs().max().item() or 1.0
+        worst = max(worst, (a - b).abs().max().item() / scale)
+    return worst

@@ -97,7 +97,9 @@ class RecoverTrainer:
         )
         # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
         schedule = [dataclasses.asdict(entry) for entry in config.fault_tolerance.inject] if config.fault_tolerance else []
-        self.injector = FailureInjector(schedule, self.dp.replica, self.dp.local_rank)
+        self.injector = FailureInjector(
+            schedule, self.dp.replica, self.dp.local_rank, fired_dir=self.run_dir / "injected"
+        )
         self._install_phase_hooks()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
         self.checkpoints = CheckpointManager(config, self.run_dir)

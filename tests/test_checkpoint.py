@@ -1,0 +1,45 @@
+"""Checkpoints: save at step k, resume, continue -> the same losses as the uninterrupted run; atomic files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanotron_recover.checkpoint import LATEST, STATE_FILE, resolve_checkpoint, write_atomically
+from nanotron_recover.runs import run_training
+
+STEPS, SAVE_AT = 8, 4
+TIMEOUT_S = 300
+
+
+@pytest.mark.parametrize("ft", [{"enabled": True}, None], ids=["recover", "stock"])
+def test_resume_reproduces_the_uninterrupted_run(ft, tiny_config, tmp_path):
+    config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)
+    full = run_training(config, tmp_path / "full", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert (tmp_path / "full" / "checkpoints" / LATEST).read_text().strip() == str(STEPS)
+
+    config["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "full" / "checkpoints" / str(SAVE_AT))
+    resumed = run_training(config, tmp_path / "resumed", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert f"resumed from {tmp_path / 'full' / 'checkpoints' / str(SAVE_AT)} at step {SAVE_AT}" in resumed.output
+    assert [s["step"] for s in resumed.steps] == list(range(SAVE_AT + 1, STEPS + 1))
+    diff = np.abs(np.array(resumed.losses) - np.array(full.losses[SAVE_AT:])).max()
+    assert diff <= 1e-5, f"resumed losses differ by {diff:.2e}"
+
+
+def test_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / STATE_FILE).write_text("{}")
+    write_atomically(tmp_path / LATEST, "4\n")
+    assert resolve_checkpoint(tmp_path) == tmp_path / "4"
+    write_atomically(tmp_path / LATEST, "8\n")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_write_atomically_leaves_no_temporary_file(tmp_path: Path):
+    write_atomically(tmp_path / LATEST, "12\n")
+    write_atomically(tmp_path / LATEST, "13\n")
+    assert [p.name for p in tmp_path.iterdir()] == [LATEST]
+    assert (tmp_path / LATEST).read_text() == "13\n"

@@ -315,6 +315,13 @@ class RunSummary:
     def final_loss(self) -> float | None:
         return self.trajectory[self.final_step]["loss"] if self.trajectory else None
 
+    @property
+    def process_seconds_after_first_startup(self) -> float:
+        """Process-seconds from the first step's start of the first job (every run pays one initial startup; on
+        a loaded shared machine it is the noisiest part, so this is reported next to the full count)."""
+        t = self.attempts[0].first_step_start or self.t0
+        return self.process_seconds - self.process_seconds_at(t)
+
     def process_seconds_at(self, t: float) -> float:
         return sum(max(0.0, min(b, t) - a) * n for a, b, n in self.segments if a < t)
 
@@ -336,6 +343,9 @@ class RunSummary:
             "process_seconds": self.process_seconds,
             "committed_tokens": self.committed_tokens,
             "effective_throughput_tokens_per_process_s": self.effective_throughput,
+            "process_seconds_after_first_startup": self.process_seconds_after_first_startup,
+            "effective_throughput_after_first_startup": (self.committed_tokens / self.process_seconds_after_first_startup
+                                                         if self.process_seconds_after_first_startup else 0.0),
             "final_loss": self.final_loss,
             "launches": len(self.attempts),
             "losses": {str(k): v["loss"] for k, v in sorted(self.trajectory.items())},

@@ -215,34 +215,51 @@ def failure_table(runs: Sequence[bl.RunSummary]) -> str:
 
 
 def plot_runs(runs: Sequence[bl.RunSummary], path: Path, title: str = "") -> None:
+    plot_curves({r.name: ({s: r.trajectory[s]["loss"] for s in r.trajectory}, r.progress) for r in runs}, path, title)
+
+
+def plot_curves(curves: dict[str, tuple[dict[int, float], list]], path: Path, title: str = "") -> None:
+    """``curves``: name -> ({step: loss}, [(process-seconds, committed tokens), ...]). Three panels: loss, loss
+    minus the ``reference`` run's (when there is one), committed tokens vs process-seconds."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 5))
     styles = ["-", "--", "-.", ":", (0, (3, 1, 1, 1))]
-    for i, r in enumerate(runs):
-        steps = sorted(r.trajectory)
-        ax1.plot(steps, [r.trajectory[s]["loss"] for s in steps], linestyle=styles[i % len(styles)],
-                 marker="o", markersize=2, label=r.name)
-        xs = [p[0] for p in r.progress]
-        ys = [p[1] for p in r.progress]
-        ax2.step(xs, ys, where="post", label=r.name, linestyle=styles[i % len(styles)])
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("training loss")
-    ax1.set_title("loss (final trajectory)")
-    ax1.legend(fontsize=8)
-    ax2.set_xlabel("process-seconds")
-    ax2.set_ylabel("committed tokens")
-    ax2.set_title("tokens vs process-seconds")
-    ax2.legend(fontsize=8)
+    ref = curves.get("reference", (None, None))[0]
+    for i, (name, (losses, progress)) in enumerate(curves.items()):
+        steps = sorted(losses)
+        ls = styles[i % len(styles)]
+        ax1.plot(steps, [losses[s] for s in steps], linestyle=ls, marker="o", markersize=2, label=name)
+        if ref:
+            common = [s for s in steps if s in ref]
+            ax3.plot(common, [losses[s] - ref[s] for s in common], linestyle=ls, marker="o", markersize=2, label=name)
+        ax2.step([p[0] for p in progress], [p[1] for p in progress], where="post", label=name, linestyle=ls)
+    ax1.set(xlabel="step", ylabel="training loss", title="loss (final trajectory)")
+    ax3.set(xlabel="step", ylabel="loss - reference loss", title="difference to the failure-free reference")
+    ax2.set(xlabel="process-seconds", ylabel="committed tokens", title="tokens vs process-seconds")
+    for ax in (ax1, ax2, ax3):
+        ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def replot(json_path: Path, png_path: Path) -> None:
+    """Redraw the figure of a compare/headline/ckpt_restart JSON (no training run)."""
+    import json
+
+    data = json.loads(Path(json_path).read_text())
+    runs = {n: r for n, r in data["runs"].items() if n != "recover_ff"}
+    curves = {n: ({int(k): v for k, v in r["losses"].items()}, r["progress"]) for n, r in runs.items()}
+    plot_curves(curves, png_path, data.get("setup", ""))
 
 
 if __name__ == "__main__":

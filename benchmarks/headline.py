@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     md = write_report(result, out, command=bl.command_line(argv, "benchmarks/headline.py"), title="headline",
                       setup=setup_line(args, size))
     for name in ("compare.json", "compare.md", "compare.png"):
-        (out / name).rename(out / name.replace("compare", "headline"))
+        (out / name).replace(out / name.replace("compare", "headline"))
     print(md)
     h = result["headline"]
     x = h["recover_vs_ckpt_restart_effective_throughput"]

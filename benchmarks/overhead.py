@@ -93,7 +93,9 @@ def _plot(per_run: dict, path: Path, title: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_yscale("log")
-    ax.set_title(title, fontsize=7)
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=7)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -70,6 +70,16 @@ def resolve_checkpoint(path: Path) -> Path | None:
     return path if (path / STATE_FILE).is_file() else None
 
 
+def check_same_microbatches(source: Path, microbatches_per_step: int) -> None:
+    """A checkpoint continues only a run with the same global microbatch count M (else each step's samples differ)."""
+    saved = json.loads((source / STATE_FILE).read_text()).get("microbatches_per_step")
+    if saved != microbatches_per_step:
+        raise ValueError(
+            f"{source} was trained with {saved} microbatches per step, this run has {microbatches_per_step} "
+            "(dp x batch_accumulation_per_replica): the samples of each step would differ"
+        )
+
+
 class CheckpointManager:
     def __init__(self, config: RecoverConfig, run_dir: Path) -> None:
         self.config = config
@@ -137,15 +147,11 @@ class CheckpointManager:
         source = self.resume_source()
         if source is None:
             return 0
+        check_same_microbatches(source, trainer.M)
         pc = trainer.parallel_context
         load_weights(trainer.dp.unwrapped_model, pc, source)
         load_optimizer(trainer.optimizer, pc, source, map_location=str(trainer.device))
         load_lr_scheduler(trainer.lr_scheduler, source)
         state = json.loads((source / STATE_FILE).read_text())
-        if state["microbatches_per_step"] != trainer.M:
-            raise ValueError(
-                f"{source} was trained with {state['microbatches_per_step']} microbatches per step, this run has "
-                f"{trainer.M}: the samples of each step would differ"
-            )
         print(f"[nanotron-recover] resumed from {source} at step {state['step']}", flush=True)
         return int(state["step"])

@@ -145,7 +145,7 @@ def load_config(path: str | os.PathLike) -> RecoverConfig:
         return config_from_dict(raw)
     except ConfigError:
         raise
-    except (dacite.DaciteError, TypeError, KeyError, AssertionError) as e:
+    except (dacite.DaciteError, TypeError, KeyError, ValueError, AssertionError) as e:
         raise ConfigError(f"{path}: {e}") from e
 
 
@@ -176,6 +176,9 @@ def validate(config: RecoverConfig) -> None:
                "micro_batch_size * sequence_length must be divisible by tp in REDUCE_SCATTER mode")
     if config.checkpoints is not None:
         _check(config.checkpoints.checkpoint_interval >= 1, "checkpoints.checkpoint_interval", "must be >= 1")
+    if config.optimizer is not None:
+        _check(config.optimizer.zero_stage == 0, "optimizer.zero_stage",
+               f"{config.optimizer.zero_stage} is not supported (optimizer states are replicated: use 0)")
     ft = config.fault_tolerance
     if ft is None:
         return

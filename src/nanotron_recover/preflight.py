@@ -16,6 +16,7 @@ from nanotron.config import PretrainDatasetsArgs
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
 from nanotron_recover import devices
+from nanotron_recover.checkpoint import check_same_microbatches, resolve_checkpoint
 from nanotron_recover.config import ConfigError, RecoverConfig, RecoverDataArgs, TokenizedDatasetArgs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def check_runtime_inputs(config: RecoverConfig) -> list[str]:
         )
     if isinstance(dataset, TokenizedDatasetArgs):
         _check_token_folder(Path(dataset.dataset_folder), config)
+    _check_resume_source(config)
     par = config.parallelism
     if par.tp_mode is TensorParallelLinearMode.REDUCE_SCATTER and par.tp_linear_async_communication:
         par.tp_linear_async_communication = False
@@ -58,12 +60,36 @@ def check_runtime_inputs(config: RecoverConfig) -> list[str]:
             "parallelism.tp_linear_async_communication: turned off (nanotron 0.4 computes wrong input gradients "
             "with async REDUCE_SCATTER, upstream bug #46)"
         )
-    if not devices.cuda_available() and config.model.dtype != torch.float32:
-        notes.append(f"model.dtype: {config.model.dtype} trains in float32 on CPU (no fast bf16 path on gloo/CPU)")
-        config.model.dtype = torch.float32
+    if config.model.dtype != torch.float32:
+        if devices.cuda_available() and config.ft_enabled:
+            raise ConfigError(
+                f"model.dtype: {config.model.dtype} is not supported with fault_tolerance yet (the flat fp32 "
+                "gradient buckets need fp32 master weights): use float32"
+            )
+        if not devices.cuda_available():
+            notes.append(f"model.dtype: {config.model.dtype} trains in float32 on CPU (no fast bf16 path on CPU)")
+            config.model.dtype = torch.float32
     for note in notes:
         logger.warning(note)
     return notes
+
+
+def _check_resume_source(config: RecoverConfig) -> None:
+    """An explicit ``resume_checkpoint_path`` must hold a checkpoint of the same global microbatch count M."""
+    args = config.checkpoints
+    if args is None or not args.resume_checkpoint_path:
+        return
+    key = "checkpoints.resume_checkpoint_path"
+    try:
+        source = resolve_checkpoint(Path(args.resume_checkpoint_path))
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    if source is None:
+        raise ConfigError(f"{key}: no checkpoint at {args.resume_checkpoint_path}")
+    try:
+        check_same_microbatches(source, config.microbatches_per_step)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def _check_token_folder(folder: Path, config: RecoverConfig) -> None:

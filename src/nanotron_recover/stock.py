@@ -63,7 +63,7 @@ class StockDataParallel(DataParallelStrategy):
         # stock nanotron: loss / own microbatch count; DDP averages the gradient over dp in the last backward
         work = trainer.compute(step, indices, loss_divisor=self.per_replica)
         contribution = work.loss_sum / dp if (self.last_stage and self.tp_rank == 0) else 0.0
-        loss = torch.tensor([contribution], dtype=torch.float64)
+        loss = torch.tensor([contribution], dtype=torch.float64, device=trainer.device)
         torch_dist.all_reduce(loss, group=self.parallel_context.world_pg)
         return CommittedStep(loss=float(loss.item()), microbatches=dp * self.per_replica, live_replicas=dp)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nanotron_recover.config import ConfigError
-from nanotron_recover.launch import add_override_args, default_run_dir, load_effective_config
+from nanotron_recover.launch import add_override_args, load_effective_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,7 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"nanotron-recover: error: {e}", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    if not args.run_dir:
+        # every rank must write into the same folder: a run name with %date would differ between ranks
+        print("nanotron-recover: error: --run-dir is required when ranks are started directly", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     timeout_s = config.fault_tolerance.collective_timeout_s if config.fault_tolerance else 600.0
     if config.ft_enabled:
@@ -62,7 +66,7 @@ def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
 
 
 def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
-    from nanotron_recover.ft import ReplicaEvicted
+    from nanotron_recover.ft import FailureDetected, ReplicaEvicted
     from nanotron_recover.recovery.resilient import (
         EXIT_BELOW_MIN_REPLICAS,
         BelowMinimumReplicas,
@@ -81,8 +85,11 @@ def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
         print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
     except BelowMinimumReplicas as e:
         print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {e.last_committed_step}", flush=True)
-        if e.last_committed_step > 0 and dp.computes():
-            dp.save_checkpoint(trainer, e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
+        if e.last_committed_step > 0:  # collective over the live ranks: the lowest computing replica writes
+            try:
+                dp.save_checkpoint(trainer, e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
+            except (BelowMinimumReplicas, FailureDetected) as again:  # another death during the fallback save
+                print(f"[nanotron-recover] fallback checkpoint not saved: {again}", flush=True)
         trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": e.last_committed_step})
         trainer.metrics.close()
         code, reason = EXIT_BELOW_MIN_REPLICAS, str(e)
@@ -97,6 +104,7 @@ def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
             # leaving the other ranks to wait out their torch timeouts.
             traceback.print_exc()
             sys.stderr.flush()
+            dp.on_exit(1, f"aborted: {type(error).__name__}: {error}")
             from mpi4py import MPI
 
             MPI.COMM_WORLD.Abort(1)

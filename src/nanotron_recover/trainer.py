@@ -104,8 +104,9 @@ class RecoverTrainer:
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
         self.checkpoints = CheckpointManager(config, self.run_dir)
         self.step = 0
-        self._current_step = 0
-        self.had_failure = False
+        self._current_step = 0  # read by the failure-injection hooks
+        self.grad_norm: float | None = None
+        self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
 
     # ----------------------------------------------------------------------------------------------- building
     def _build_optimizer(self) -> NamedOptimizer:
@@ -138,7 +139,6 @@ class RecoverTrainer:
         """Forward/backward the given global microbatches of ``step``; gradients accumulate in place."""
         if len(indices) == 0:
             return LocalWork()
-        self._current_step = step
         self.injector.maybe_fail(step, "dataload")
         unwrapped, pc = self.dp.unwrapped_model, self.parallel_context
         batch = [place_microbatch(self.dataset.microbatch(step, i), unwrapped, pc, self.device) for i in indices]
@@ -165,19 +165,20 @@ class RecoverTrainer:
             elapsed = time.perf_counter() - t0
             self.step = step
             self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
-            self._current_step = step
             if self.checkpoints.due(step):
                 self.injector.maybe_fail(step, "checkpoint")
                 self.dp.save_checkpoint(self, step)
+        self.dp.finish(self)
         self.metrics.close()
 
     def train_step(self, step: int) -> CommittedStep:
         self._current_step = step
         result = self.dp.forward_backward_reduce(self, step)  # plan -> compute -> reduce (with recovery)
         self.injector.maybe_fail(step, "optimizer")
-        sync_tied_gradients(self.dp.unwrapped_model, self.parallel_context)
-        self.grad_norm = self._clip()
-        self.optimizer.step()
+        if self.dp.computes():  # an idle spare only keeps its LR schedule in step
+            sync_tied_gradients(self.dp.unwrapped_model, self.parallel_context)
+            self.grad_norm = self._clip()
+            self.optimizer.step()
         self.lr_scheduler.step()
         self.dp.zero_grad(self)
         self.dp.after_commit(self, step)  # e.g. spare activation, state transfer
@@ -196,9 +197,6 @@ class RecoverTrainer:
         return float(norm)
 
     def log_step(self, result: CommittedStep, elapsed: float, tokens_per_step: int) -> None:
-        self.metrics.set_logging(self.dp.is_logging_rank())
-        if not self.dp.is_logging_rank():
-            return
         live_procs = result.live_replicas * self.config.ranks_per_replica
         record = {
             "step": self.step,
@@ -214,6 +212,10 @@ class RecoverTrainer:
             "epoch": result.epoch,
             "recoveries": result.recoveries,
         }
+        self.last_record = record
+        self.metrics.set_logging(self.dp.is_logging_rank())
+        if not self.dp.is_logging_rank():
+            return
         self.metrics.log_step(record)
         print(
             f"[step {self.step:>5}] loss {result.loss:.6f} lr {record['lr']:.3e} mb {result.microbatches} "
@@ -232,11 +234,23 @@ class DataParallelStrategy:
     local_rank: int
 
     def attach_model(self, trainer: RecoverTrainer) -> None: ...
+
+    def computes(self) -> bool:
+        """Whether this rank computes microbatches (an idle spare does not)."""
+        return True
+
     def forward_backward_reduce(self, trainer: RecoverTrainer, step: int) -> CommittedStep: ...
+
     def zero_grad(self, trainer: RecoverTrainer) -> None: ...
+
     def after_commit(self, trainer: RecoverTrainer, step: int) -> None: ...
+
     def is_logging_rank(self) -> bool: ...
+
     def save_checkpoint(self, trainer: RecoverTrainer, step: int) -> None: ...
+
+    def finish(self, trainer: RecoverTrainer) -> None:
+        """Called by every rank after the last step."""
 
 
 def _init_std(config: RecoverConfig) -> float:

@@ -1,7 +1,7 @@
-"""Who is who: world rank -> (replica, pp, tp), and each replica's own torch world.
+"""The torch worlds: one per replica (ReCoVer), or one over every rank (stock nanotron).
 
-ReCoVer layout: world rank ``r`` belongs to replica ``r // (tp * pp)``; inside its replica it has local rank
-``r % (tp * pp) = pp_rank * tp + tp_rank`` (nanotron's rank order for dp=1). Each replica runs its own torch
+ReCoVer layout (see :class:`nanotron_recover.ft.layout.ReplicaLayout`): world rank ``r`` belongs to replica
+``r // (tp * pp)``; inside its replica it has local rank ``r % (tp * pp) = pp_rank * tp + tp_rank``. Each replica runs its own torch
 default process group over only its ranks, so TP/PP traffic never touches another replica's sockets: a failure
 in one replica cannot block another. The replica's rendezvous (a TCPStore on its local rank 0) is agreed over MPI.
 
@@ -13,50 +13,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as torch_dist
 
 from nanotron_recover import devices
 
 if TYPE_CHECKING:
     from mpi4py import MPI
-
-
-@dataclass(frozen=True)
-class ReplicaLayout:
-    """The ReCoVer world: ``n_replicas`` (active + spare) replicas of ``tp * pp`` ranks each."""
-
-    tp: int
-    pp: int
-    n_replicas: int
-
-    @property
-    def ranks_per_replica(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def world_size(self) -> int:
-        return self.n_replicas * self.ranks_per_replica
-
-    def replica_of(self, world_rank: int) -> int:
-        return world_rank // self.ranks_per_replica
-
-    def local_rank_of(self, world_rank: int) -> int:
-        return world_rank % self.ranks_per_replica
-
-    def coords_of_local(self, local_rank: int) -> tuple[int, int]:
-        """(pp_rank, tp_rank) of a local rank."""
-        return divmod(local_rank, self.tp)
-
-    def world_rank(self, replica: int, local_rank: int) -> int:
-        return replica * self.ranks_per_replica + local_rank
-
-    def ranks_of_replica(self, replica: int) -> list[int]:
-        start = replica * self.ranks_per_replica
-        return list(range(start, start + self.ranks_per_replica))
 
 
 def _set_torch_env(rank: int, world_size: int, host: str, port: int) -> None:
@@ -71,7 +35,7 @@ def _set_torch_env(rank: int, world_size: int, host: str, port: int) -> None:
 
 
 def rendezvous_host() -> str:
-    """Address other ranks use to reach this host's TCPStore (MASTER_ADDR wins when set)."""
+    """Address other ranks use to reach this host's TCPStore (``NANOTRON_RECOVER_HOST`` wins when set)."""
     if os.environ.get("NANOTRON_RECOVER_HOST"):
         return os.environ["NANOTRON_RECOVER_HOST"]
     try:
@@ -122,11 +86,3 @@ def init_stock_torch_world(timeout_s: float) -> None:
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-
-
-def torch_world_ready() -> bool:
-    return torch_dist.is_available() and torch_dist.is_initialized()
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)

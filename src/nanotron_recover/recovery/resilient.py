@@ -23,6 +23,7 @@ import torch.distributed as torch_dist
 from mpi4py import MPI
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.ft import FailureDetected, FTWorld, RepairEvent
 from nanotron_recover.mpirun import HEARTBEAT_TIMEOUT_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
@@ -60,12 +61,11 @@ class ResilientDataParallel(DataParallelStrategy):
                 f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x tp={par.tp} x pp={par.pp})"
             )
         rpr = config.ranks_per_replica
-        rank = world.Get_rank()
-        self.replica, self.local_rank = divmod(rank, rpr)
+        self.replica, self.local_rank = divmod(world.Get_rank(), rpr)
         self.pp_rank, self.tp_rank = divmod(self.local_rank, par.tp)
         self.last_stage = self.pp_rank == par.pp - 1
 
-        replica_comm = world.Split(color=self.replica, key=rank)  # rendezvous only
+        replica_comm = world.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
         init_replica_torch_world(replica_comm, timeout_s)
         replica_comm.Free()
         self.parallel_context = ReplicaParallelContext(
@@ -79,13 +79,11 @@ class ResilientDataParallel(DataParallelStrategy):
         self.ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict)
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
-        self.recovery_events: list[RepairEvent] = []
         self.on_exit: Callable[[int, str], None] = lambda code, reason: None
 
     # ------------------------------------------------------------------------------------------------- model
     def attach_model(self, trainer: "RecoverTrainer") -> None:
         self.model = self.unwrapped_model = trainer.model
-        self.metrics = None
         self.buckets = GradBuckets(
             trainer.named_params, self.config.fault_tolerance.reduce_bucket_mb, device=trainer.device
         )
@@ -104,16 +102,18 @@ class ResilientDataParallel(DataParallelStrategy):
                 work += trainer.compute(step, todo, loss_divisor=self.M)
                 todo = []
                 self._reduce(trainer, step, work)
-                if not self.ft.agree(True):  # the commit point: once per attempt, on every live rank
-                    raise FailureDetected("a survivor did not complete the step's reduction")
+                self.ft.agree(True)  # the commit point: once per attempt, on every live rank; raises on failure
                 break
             except FailureDetected:
                 recoveries += 1
                 plan, todo = self._recover(trainer, step, plan)
-        self.buckets.release(step)
+        self.buckets.release(step)  # committed: the snapshots are no longer needed
         committed = int(round(self._stats[1]))
         loss = float(self._stats[0])
-        if committed != self.M:  # only the shrinking-batch baseline: average over what was committed
+        if committed != self.M:
+            if self.keep_global_batch:
+                raise RuntimeError(f"step {step} committed {committed} microbatches, expected {self.M}")
+            # shrinking-batch baseline: the average over what was committed
             self.buckets.flat.mul_(self.M / committed)
             loss *= self.M / committed
         return CommittedStep(
@@ -161,23 +161,33 @@ class ResilientDataParallel(DataParallelStrategy):
         self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
         self.ft.allreduce_sum_(self._stats, "world")
 
-    def _recover(self, trainer: "RecoverTrainer", step: int, plan: Plan) -> tuple[Plan, list[int]]:
-        """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
+    def _repair(self, trainer: "RecoverTrainer", step: int, phase: str) -> RepairEvent:
+        """Repair the world (``ReplicaEvicted`` on a rank of a failed replica), update the roster, log the event.
+
+        The new lowest live rank takes over logging, re-logging the last committed step in case the old logger
+        died before writing it.
+        """
         self.ft.repair_hook = lambda point, attempt: (
             trainer.injector.maybe_fail(step, "repair") if point == "after_shrink" else None
         )
-        event = self.ft.repair()  # raises ReplicaEvicted on a rank of a failed replica
-        self.recovery_events.append(event)
-        trainer.had_failure = True
-        trainer.metrics.set_logging(self.is_logging_rank())  # the logging rank may have been the victim
+        event = self.ft.repair()
         change = self.roster.on_failure(event.failed_replicas)
-        trainer.metrics.log_event({"event": "repair", "step": step, "phase": "in-step", **event.as_dict(),
+        if self.is_logging_rank() and not trainer.metrics.enabled:
+            trainer.metrics.set_logging(True)
+            if trainer.last_record is not None:
+                trainer.metrics.log_step(trainer.last_record)
+        trainer.metrics.log_event({"event": "repair", "step": step, "phase": phase, **event.as_dict(),
                                    "activated_spares": list(change.activated)})
+        if change.replacements:
+            self._pending_activation = True
+        return event
+
+    def _recover(self, trainer: "RecoverTrainer", step: int, plan: Plan) -> tuple[Plan, list[int]]:
+        """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
+        event = self._repair(trainer, step, "in-step")
         survivors = [r for r in plan if r not in event.failed_replicas]
         if not survivors or self.roster.below_minimum(self.min_replicas):
             raise BelowMinimumReplicas(len(survivors), self.min_replicas, last_committed_step=step - 1)
-        if change.replacements:
-            self._pending_activation = True
         if self.buckets.has_snapshot(step):
             self.buckets.restore(step)
         orphans = orphans_of(plan, event.failed_replicas) if self.keep_global_batch else []
@@ -193,43 +203,56 @@ class ResilientDataParallel(DataParallelStrategy):
         donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step
         while self._pending_activation:
             try:
+                new = set(self.roster.active) - donors
                 self.ft.set_active_replicas(self.roster.active)
-                self._copy_state_to_new_replicas(trainer, donor=min(donors), new=set(self.roster.active) - set(donors))
+                if new:
+                    self._copy_state_to_new_replicas(trainer, donor=min(donors), new=new)
                 self._pending_activation = False
             except FailureDetected:
-                event = self.ft.repair()
-                self.recovery_events.append(event)
-                trainer.metrics.set_logging(self.is_logging_rank())
-                change = self.roster.on_failure(event.failed_replicas)
+                event = self._repair(trainer, step, "spare-activation")
                 donors -= set(event.failed_replicas)
-                trainer.metrics.log_event({"event": "repair", "step": step, "phase": "spare-activation",
-                                           **event.as_dict(), "activated_spares": list(change.activated)})
                 if self.roster.below_minimum(self.min_replicas) or not donors:
-                    raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step)
+                    raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
 
     def _copy_state_to_new_replicas(self, trainer: "RecoverTrainer", donor: int, new: set[int]) -> None:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
         _ensure_adam_state(trainer.optimizer)
         for tensor in _state_tensors(trainer):
-            self.ft.bcast_(_numpy_of(tensor), root_replica=donor, comm="coord")
+            _bcast_tensor(self.ft, tensor, donor)
         trainer.metrics.log_event(
             {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch}
         )
+
+    def finish(self, trainer: "RecoverTrainer") -> None:
+        """A last agreement after the final step, so that a death after the last commit is known at shutdown."""
+        try:
+            self.ft.agree(True)
+        except FailureDetected:
+            self._repair(trainer, trainer.step, "end")
 
     # ------------------------------------------------------------------------------------------------- misc
     def is_logging_rank(self) -> bool:
         return not self.ft.evicted and self.ft.rank == min(self.ft.live_ranks)
 
     def save_checkpoint(self, trainer: "RecoverTrainer", step: int, extra_state: dict | None = None) -> None:
-        writer_replica = min(self.ft.active_replicas)
-        trainer.checkpoints.save(
-            trainer,
-            step,
-            writer=self.replica == writer_replica,
-            barrier=lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
-            publisher=self.replica == writer_replica and self.local_rank == 0,
-            extra_state={"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
-        )
+        """The lowest computing replica writes; all agree it is done. If the writer dies, the next one saves."""
+        while True:
+            writer_replica = min(self.ft.active_replicas)
+            trainer.checkpoints.save(
+                trainer,
+                step,
+                writer=self.replica == writer_replica,
+                barrier=lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
+                publisher=self.replica == writer_replica and self.local_rank == 0,
+                extra_state={"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
+            )
+            try:
+                self.ft.agree(True)
+                return
+            except FailureDetected:
+                self._repair(trainer, step, "checkpoint")
+                if self.roster.below_minimum(self.min_replicas):
+                    raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
 
     def _on_evict(self, reason: BaseException) -> None:
         """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
@@ -237,14 +260,17 @@ class ResilientDataParallel(DataParallelStrategy):
         self.on_exit(0, f"evicted by watcher: {reason}")
 
     def shutdown(self, code: int = 0) -> None:
-        self.ft.shutdown(had_failure=self.ft.had_failure, code=code)
+        self.ft.shutdown(code=code)
 
 
-def _numpy_of(tensor: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view (a 0-d tensor becomes a 1-element view)."""
-    if tensor.device.type != "cpu":
-        raise NotImplementedError("state transfer of CUDA tensors goes through host staging (not wired yet)")
-    return tensor.detach().reshape(-1).numpy() if tensor.dim() else tensor.detach().view(1).numpy()
+def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
+    """Broadcast one tensor in place from ``donor``'s rank of this coordinate (CUDA tensors via a host copy)."""
+    if needs_host_staging(tensor.device):
+        host = tensor.detach().cpu()
+        ft.bcast_(host.view(-1).numpy(), root_replica=donor, comm="coord")
+        tensor.detach().copy_(host)
+    else:
+        ft.bcast_(tensor.detach().view(-1).numpy(), root_replica=donor, comm="coord")  # zero-copy
 
 
 def _state_tensors(trainer: "RecoverTrainer"):
@@ -259,7 +285,7 @@ def _state_tensors(trainer: "RecoverTrainer"):
 
 
 def _ensure_adam_state(optimizer) -> None:
-    """A spare that never stepped has no Adam state yet: create it, so the broadcast has somewhere to land."""
+    """A spare never stepped (idle replicas skip the optimizer): create its Adam state for the broadcast to fill."""
     inner = optimizer.optimizer
     for group in inner.param_groups:
         for p in group["params"]:

@@ -231,46 +231,24 @@ class Attempt:
         return s["time"] - s["step_time_s"]
 
 
-RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
-
-
 def launch(config: dict, run_dir: Path, *, timeout_s: float = 900) -> Attempt:
-    """One job: the real launcher's ``mpirun`` line (``nanotron_recover.launch.train_command``), with the per-rank
-    program ``benchmarks/rank_entry.py`` (= ``nanotron_recover.train`` + the CPU resume fix); returns its timeline.
-    Killed (with its process group) after ``timeout_s``."""
+    """One job through the real launcher (``nanotron_recover.runs.run_training`` -> ``nanotron-recover train``),
+    on synthetic data; returns its timeline. ``TimeoutError`` (job group killed) after ``timeout_s``."""
     import os
-    import signal
-    import subprocess
 
-    from nanotron_recover.launch import build_parser, train_command
-    from nanotron_recover.runs import read_metrics, write_config
+    from nanotron_recover.runs import run_training
 
     run_dir = Path(run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = write_config(config, run_dir / "config.yaml")
-    args = build_parser().parse_args(["train", "--config-file", str(cfg_path), "--run-dir", str(run_dir),
-                                      "--synthetic-data"])
-    cmd, _, _ = train_command(args)
-    i = cmd.index("nanotron_recover.train")
-    assert cmd[i - 1] == "-m", cmd
-    cmd = cmd[: i - 1] + [str(RANK_ENTRY)] + cmd[i + 1:]
     load0 = os.getloadavg()[0]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise TimeoutError(f"{run_dir}: job did not finish in {timeout_s} s:\n{output[-4000:]}") from None
+    result = run_training(config, run_dir, timeout_s=timeout_s, extra_args=["--synthetic-data"], check=False)
     t1 = time.time()
-    (run_dir / "output.log").write_text(output)
-    all_steps, all_events = read_metrics(run_dir)
+    output = result.output
     kills = [Kill(float(m[4]), int(m[2]), int(m[0]), int(m[1]), m[3]) for m in KILL_RE.findall(output)]
-    steps = [s for s in all_steps if s.get("time", 0) >= t0]  # every attempt has its own dir; be safe anyway
+    steps = [s for s in result.steps if s.get("time", 0) >= t0]  # every attempt has its own dir; be safe anyway
     m = RESUME_RE.search(output)
-    return Attempt(str(run_dir), n_processes(config), t0, t1, proc.returncode, steps,
-                   [e for e in all_events if e.get("time", 0) >= t0], sorted(kills, key=lambda k: k.t),
+    return Attempt(str(run_dir), n_processes(config), t0, t1, result.returncode, steps,
+                   [e for e in result.events if e.get("time", 0) >= t0], sorted(kills, key=lambda k: k.t),
                    int(m.group(1)) if m else 0, config["parallelism"]["dp"],
                    config["tokens"]["batch_accumulation_per_replica"], load0)
 

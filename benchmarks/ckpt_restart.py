@@ -242,8 +242,10 @@ def plot_curves(curves: dict[str, tuple[dict[int, float], list]], path: Path, ti
     ax1.set(xlabel="step", ylabel="training loss", title="loss (final trajectory)")
     ax3.set(xlabel="step", ylabel="loss - reference loss", title="difference to the failure-free reference")
     ax2.set(xlabel="process-seconds", ylabel="committed tokens", title="tokens vs process-seconds")
-    for ax in (ax1, ax2, ax3):
+    for ax in (ax1, ax2, ax3) if ref else (ax1, ax2):
         ax.legend(fontsize=8)
+    if not ref:
+        ax3.text(0.5, 0.5, "no failure-free reference in this run", ha="center", transform=ax3.transAxes)
     if title:
         fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=9)
     fig.tight_layout()

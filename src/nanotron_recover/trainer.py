@@ -102,6 +102,8 @@ class RecoverTrainer:
         )
         self._install_phase_hooks()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
+        if self.metrics.enabled:
+            self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         self.checkpoints = CheckpointManager(config, self.run_dir)
         self.step = 0
         self._current_step = 0  # read by the failure-injection hooks

@@ -28,8 +28,10 @@ def test_headline_minimal(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     m = LINE.match(last)
     assert m, f"unexpected last line: {last!r}"
-    for value in m.groups():
-        x = float(value)
-        assert math.isfinite(x) and x > 0, last
+    throughput, tokens_ratio, overhead = (float(v) for v in m.groups())
+    assert math.isfinite(throughput) and throughput > 0, last
+    assert math.isfinite(overhead) and overhead > 0, last
+    # inf is a legitimate measurement here: ReCoVer may finish before checkpoint-restart commits its first step
+    assert tokens_ratio > 0 and not math.isnan(tokens_ratio), last
     for name in ("headline.json", "headline.md", "headline.png"):
         assert (tmp_path / "headline" / name).is_file()

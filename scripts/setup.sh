@@ -9,17 +9,18 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch 2.13.0 (CPU build)"
   if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+    quiet "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX_URL"
   else
-    "${PIP[@]}" torch==2.13.0
+    quiet "${PIP[@]}" torch==2.13.0
   fi
 fi
 if ! .venv/bin/python -c "import nanotron_recover, pytest, hypothesis" 2>/dev/null; then
   echo "[setup] installing nanotron-recover and its dependencies"
-  "${PIP[@]}" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  quiet "${PIP[@]}" -e ".[test]"
   .venv/bin/python -c "import nanotron_recover, mpi4py, datatrove, wandb, pytest, hypothesis" \
     || { echo "[setup] install failed" >&2; exit 1; }
 fi

@@ -149,14 +149,14 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def _reduce(self, trainer: "RecoverTrainer", step: int, work: LocalWork) -> None:
         """SUM every bucket across the computing replicas, then the step's loss and microbatch count world-wide."""
-        if self.computes():
+        computing = self.computes()
+        if computing:
             for i in range(self.buckets.num_buckets):
                 self.buckets.snapshot_bucket(i, step, self.ft.epoch)
                 self.ft.allreduce_sum_(self.buckets.to_host(i), "coord")
                 self.buckets.from_host(i)
                 if i == 0:
                     trainer.injector.maybe_fail(step, "reduce")
-        computing = self.computes()
         self._stats[0] = work.loss_sum if (computing and self.last_stage and self.tp_rank == 0) else 0.0
         self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
         self.ft.allreduce_sum_(self._stats, "world")

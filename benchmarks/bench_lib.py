@@ -187,6 +187,9 @@ def tokens_per_microbatch(config: dict) -> int:
 
 
 def ranks_per_replica(config: dict) -> int:
+    ft = config.get("fault_tolerance") or {}
+    if ft.get("replica") == "fsdp":
+        return ft["fsdp_shard_size"]
     return config["parallelism"]["tp"] * config["parallelism"]["pp"]
 
 

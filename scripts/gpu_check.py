@@ -2,8 +2,9 @@
 
     python scripts/gpu_check.py          # prints one line per check and exits non-zero on the first failure
 
-Checks the parts that differ on GPU: flat fp32 gradient buckets on CUDA with pinned host staging for MPI, and
-snapshot/restore of CUDA buckets. A training run on GPU uses the same launcher
+Checks the parts that differ on GPU: flat fp32 gradient buckets on CUDA with pinned host staging for MPI,
+snapshot/restore of CUDA buckets, and (HSDP) FSDP2 on NCCL accumulating its reduce-scattered gradient shards into
+the CUDA buckets across two backward passes (a one-rank NCCL world). A training run on GPU uses the same launcher
 (`nanotron-recover train --config-file ...`: NCCL inside each replica, host-staged ULFM across replicas).
 """
 
@@ -37,11 +38,44 @@ def check_cuda_buckets() -> None:
     assert buckets._host.is_pinned()
 
 
+def check_cuda_fsdp_buckets() -> None:
+    import os
+
+    import torch.distributed as torch_dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nanotron_recover.recovery.buckets import local_tensor
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    torch_dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).cuda()
+        sharded = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).cuda()
+        sharded.load_state_dict(plain.state_dict())
+        fully_shard(sharded, mesh=DeviceMesh.from_group(torch_dist.group.WORLD, device_type="cuda"))
+        sharded.set_force_sum_reduction_for_comms(True)
+        sharded.set_gradient_divide_factor(1.0)
+        buckets = GradBuckets(list(sharded.named_parameters()), 0.001, "cuda")
+        inputs = [torch.randn(4, 16, device="cuda") for _ in range(2)]
+        for x in inputs:
+            plain(x).pow(2).sum().backward()
+            sharded(x).pow(2).sum().backward()
+        assert buckets.is_bound(), "sharded .grad must stay a view of the CUDA flat buffer"
+        expected = torch.cat([p.grad.reshape(-1) for p in reversed(list(plain.parameters()))])
+        assert torch.allclose(buckets.flat, expected, atol=1e-6), "FSDP2 accumulated into the buckets in place"
+        assert all(local_tensor(p.grad).is_cuda for p in sharded.parameters())
+    finally:
+        torch_dist.destroy_process_group()
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
         return 2
-    for check in (check_cuda_buckets,):
+    for check in (check_cuda_buckets, check_cuda_fsdp_buckets):
         check()
         print(f"ok {check.__name__}")
     return 0

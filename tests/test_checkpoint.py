@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nanotron_recover.checkpoint import LATEST, STATE_FILE, resolve_checkpoint, write_atomically
+from nanotron_recover.checkpoint import LATEST, STATE_FILE, check_resumable, resolve_checkpoint, write_atomically
+from nanotron_recover.config import config_from_dict
 from nanotron_recover.runs import run_training
 
 STEPS, SAVE_AT = 8, 4
@@ -43,3 +45,24 @@ def test_write_atomically_leaves_no_temporary_file(tmp_path: Path):
     write_atomically(tmp_path / LATEST, "13\n")
     assert [p.name for p in tmp_path.iterdir()] == [LATEST]
     assert (tmp_path / LATEST).read_text() == "13\n"
+
+
+@pytest.mark.parametrize(
+    "saved, ft, error",
+    [
+        ({"layout": "nanotron"}, {"enabled": True}, None),
+        ({}, None, None),  # a checkpoint from before the layout key: nanotron's format
+        ({"layout": "hsdp", "fsdp_shard_size": 2}, {"replica": "fsdp", "fsdp_shard_size": 2}, None),
+        ({"layout": "hsdp", "fsdp_shard_size": 2}, {"replica": "fsdp", "fsdp_shard_size": 1}, "fsdp_shard_size=1"),
+        ({"layout": "hsdp", "fsdp_shard_size": 2}, {"enabled": True}, "nanotron format"),
+        ({"layout": "nanotron"}, {"replica": "fsdp", "fsdp_shard_size": 2}, "HSDP shards"),
+    ],
+)
+def test_a_checkpoint_resumes_only_in_its_own_layout(saved, ft, error, tiny_config, tmp_path):
+    config = config_from_dict(tiny_config(dp=2, accumulation=2, fault_tolerance=ft))
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 4, "microbatches_per_step": 4, **saved}))
+    if error is None:
+        check_resumable(tmp_path, config)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_resumable(tmp_path, config)

@@ -67,12 +67,35 @@ def test_fault_tolerance_disabled_is_the_stock_path():
         ({"inject": [{"step": 2, "replica": 0, "rank": 1}]}, "fault_tolerance.inject[0].rank"),
         ({"inject": [{"step": 3, "replica": 0, "phase": "checkpoint"}]}, "fault_tolerance.inject[0].step"),
         ({"inject": [{"step": 2, "replica": 0}, {"step": 3, "replica": 1}]}, "kills every replica"),
+        ({"replica": "zero3"}, "fault_tolerance.replica"),
+        ({"replica": "fsdp"}, "fault_tolerance.fsdp_shard_size"),
+        ({"replica": "fsdp", "fsdp_shard_size": 0}, "fault_tolerance.fsdp_shard_size"),
+        ({"fsdp_shard_size": 2}, "fault_tolerance.fsdp_shard_size"),
+        ({"replica": "fsdp", "fsdp_shard_size": 2, "enabled": False}, "fault_tolerance.replica"),
+        ({"replica": "fsdp", "fsdp_shard_size": 4}, "tokens.micro_batch_size"),
+        ({"replica": "fsdp", "fsdp_shard_size": 2, "inject": [{"step": 2, "replica": 0, "rank": 2}]},
+         "fault_tolerance.inject[0].rank"),
     ],
 )
 def test_invalid_fault_tolerance_names_the_key(ft, key):
     with pytest.raises(ConfigError) as err:
         config_from_dict(with_ft(**ft))
     assert key in str(err.value)
+
+
+def test_fsdp_replicas_size_the_world_by_shard_size():
+    config = config_from_dict(with_ft(replica="fsdp", fsdp_shard_size=2, spare_replicas=1))
+    assert config.sharded_replicas and config.ranks_per_replica == 2
+    assert config.world_size == (2 + 1) * 2  # (dp + spares) x F
+    assert config.microbatches_per_step == 4  # M does not depend on the replica kind
+
+
+@pytest.mark.parametrize("key", ["tp", "pp"])
+def test_fsdp_replicas_need_tp_and_pp_1(key):
+    raw = with_ft(replica="fsdp", fsdp_shard_size=2)
+    raw["parallelism"][key] = 2
+    with pytest.raises(ConfigError, match=f"parallelism.{key}"):
+        config_from_dict(raw)
 
 
 def test_parallelism_that_cannot_shard_the_model_is_rejected():
@@ -92,3 +115,11 @@ def test_unknown_top_level_key_is_rejected_by_nanotron_strictness():
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    config = load_config(path)
+    assert config.ft_enabled and config.fault_tolerance.inject
+    if config.sharded_replicas:
+        assert config.world_size == config.parallelism.dp * config.fault_tolerance.fsdp_shard_size

@@ -1,4 +1,8 @@
-"""Checkpoints in nanotron's format, written atomically, and auto-resume from ``latest.txt``.
+"""Checkpoints, written atomically, and auto-resume from ``latest.txt``.
+
+What goes inside a checkpoint folder is a :class:`CheckpointLayout`: nanotron's own format for 3D replicas
+(:class:`NanotronLayout`), per-rank shard files for FSDP replicas (``nanotron_recover.hsdp.checkpoint``).
+``trainer_state.json`` (written last) names the layout, the step and M.
 
 A save goes to a hidden temporary folder, every file is fsynced, then one rank renames the folder into place
 and replaces ``latest.txt`` (write temp file, fsync, ``os.replace``). A process killed mid-save leaves the
@@ -11,7 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import nanotron_recover.nanotron_compat  # noqa: F401
 from nanotron.serialize import load_weights, save_meta, save_weights
@@ -70,6 +74,61 @@ def resolve_checkpoint(path: Path) -> Path | None:
     return path if (path / STATE_FILE).is_file() else None
 
 
+class CheckpointLayout(Protocol):
+    """How model, optimizer and LR scheduler are laid out inside a checkpoint folder."""
+
+    name: str
+
+    def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
+        """Collective over the writing replica's ranks; ``folder`` exists."""
+
+    def read(self, trainer: "RecoverTrainer", folder: Path) -> None:
+        """Load into this rank's model, optimizer and LR scheduler."""
+
+
+class NanotronLayout:
+    """nanotron 0.4's ``serialize`` format (weights as safetensors per TP/PP shard, optimizer, LR scheduler)."""
+
+    name = "nanotron"
+
+    def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
+        pc = trainer.parallel_context
+        save_weights(trainer.dp.unwrapped_model, pc, folder)
+        save_optimizer(trainer.optimizer, pc, folder)
+        save_lr_scheduler(trainer.lr_scheduler, pc, folder)
+        samples = step * trainer.M * trainer.config.tokens.micro_batch_size
+        save_meta(pc, folder, {"last_train_step": step, "consumed_train_samples": samples})
+
+    def read(self, trainer: "RecoverTrainer", folder: Path) -> None:
+        pc = trainer.parallel_context
+        load_weights(trainer.dp.unwrapped_model, pc, folder)
+        load_optimizer(trainer.optimizer, pc, folder, map_location=str(trainer.device))
+        load_lr_scheduler(trainer.lr_scheduler, folder)
+
+
+def layout_state(config: RecoverConfig) -> dict:
+    """The ``trainer_state.json`` keys that say which runs can resume a checkpoint (besides M)."""
+    if config.sharded_replicas:
+        return {"layout": "hsdp", "fsdp_shard_size": config.fault_tolerance.fsdp_shard_size}
+    return {"layout": NanotronLayout.name}
+
+
+def check_resumable(source: Path, config: RecoverConfig) -> None:
+    """Same M, and a layout this run reads: nanotron (3D replicas) or HSDP shards of the same shard size."""
+    check_same_microbatches(source, config.microbatches_per_step)
+    saved = json.loads((source / STATE_FILE).read_text())
+    saved_layout = {"layout": saved.get("layout", NanotronLayout.name), "fsdp_shard_size": saved.get("fsdp_shard_size")}
+    wanted = {"fsdp_shard_size": None, **layout_state(config)}
+    if saved_layout != wanted:
+        raise ValueError(f"{source} holds {_describe(saved_layout)}; this run needs {_describe(wanted)}")
+
+
+def _describe(layout: dict) -> str:
+    if layout["layout"] == "hsdp":
+        return f"HSDP shards of fsdp_shard_size={layout['fsdp_shard_size']}"
+    return f"the {layout['layout']} format (3D replicas)"
+
+
 def check_same_microbatches(source: Path, microbatches_per_step: int) -> None:
     """A checkpoint continues only a run with the same global microbatch count M (else each step's samples differ)."""
     saved = json.loads((source / STATE_FILE).read_text()).get("microbatches_per_step")
@@ -81,8 +140,9 @@ def check_same_microbatches(source: Path, microbatches_per_step: int) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, config: RecoverConfig, run_dir: Path) -> None:
+    def __init__(self, config: RecoverConfig, run_dir: Path, layout: CheckpointLayout | None = None) -> None:
         self.config = config
+        self.layout = layout if layout is not None else NanotronLayout()
         args = config.checkpoints
         self.interval = args.checkpoint_interval if args is not None else None
         root = Path(args.checkpoints_path) if args is not None else Path("checkpoints")
@@ -117,16 +177,12 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        pc = trainer.parallel_context
-        save_weights(trainer.dp.unwrapped_model, pc, tmp)
-        save_optimizer(trainer.optimizer, pc, tmp)
-        save_lr_scheduler(trainer.lr_scheduler, pc, tmp)
-        save_meta(pc, tmp, {"last_train_step": step, "consumed_train_samples": step * trainer.M * self.config.tokens.micro_batch_size})
+        self.layout.write(trainer, tmp, step)
         barrier()  # every part written
         if not publisher:
             return
         _fsync_tree(tmp)
-        state = {"step": step, "microbatches_per_step": trainer.M, **(extra_state or {})}
+        state = {"step": step, "microbatches_per_step": trainer.M, **layout_state(self.config), **(extra_state or {})}
         write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)
@@ -147,11 +203,8 @@ class CheckpointManager:
         source = self.resume_source()
         if source is None:
             return 0
-        check_same_microbatches(source, trainer.M)
-        pc = trainer.parallel_context
-        load_weights(trainer.dp.unwrapped_model, pc, source)
-        load_optimizer(trainer.optimizer, pc, source, map_location=str(trainer.device))
-        load_lr_scheduler(trainer.lr_scheduler, source)
+        check_resumable(source, self.config)
+        self.layout.read(trainer, source)
         state = json.loads((source / STATE_FILE).read_text())
         print(f"[nanotron-recover] resumed from {source} at step {state['step']}", flush=True)
         return int(state["step"])

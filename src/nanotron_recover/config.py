@@ -21,6 +21,9 @@ from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
 from nanotron_recover.inject import PHASES
 
+REPLICA_3D = "3d"
+REPLICA_FSDP = "fsdp"
+REPLICA_KINDS = (REPLICA_3D, REPLICA_FSDP)
 
 
 class ConfigError(ValueError):
@@ -51,6 +54,10 @@ class FaultToleranceArgs:
         keep_global_batch: True (ReCoVer): every step commits all M microbatches. False: the shrinking-batch
             baseline (torchft-style): a failed replica's microbatches are dropped, the batch shrinks.
         inject: a deterministic failure schedule (tests, benchmarks): real SIGKILLs.
+        replica: what one replica is. ``3d``: a ``parallelism.tp`` x ``parallelism.pp`` grid of nanotron ranks.
+            ``fsdp`` (HSDP): ``fsdp_shard_size`` ranks that shard parameters, gradients and optimizer state with
+            torch FSDP2 (tp = pp = 1); each microbatch's rows are split over them.
+        fsdp_shard_size: ranks per replica in ``fsdp`` mode (F); world = (dp + spare_replicas) x F.
     """
 
     enabled: bool = True
@@ -60,6 +67,8 @@ class FaultToleranceArgs:
     reduce_bucket_mb: float = 4.0
     keep_global_batch: bool = True
     inject: List[FailureInjection] = field(default_factory=list)
+    replica: str = REPLICA_3D
+    fsdp_shard_size: Optional[int] = None
 
 
 @dataclass
@@ -88,7 +97,14 @@ class RecoverConfig(Config):
         return self.fault_tolerance is not None and self.fault_tolerance.enabled
 
     @property
+    def sharded_replicas(self) -> bool:
+        """HSDP: each replica is an FSDP shard group (``fault_tolerance.replica: fsdp``)."""
+        return self.fault_tolerance is not None and self.fault_tolerance.replica == REPLICA_FSDP
+
+    @property
     def ranks_per_replica(self) -> int:
+        if self.sharded_replicas:
+            return self.fault_tolerance.fsdp_shard_size
         return self.parallelism.tp * self.parallelism.pp
 
     @property
@@ -188,6 +204,7 @@ def validate(config: RecoverConfig) -> None:
            f"must be between 1 and parallelism.dp={par.dp}, got {ft.min_replicas}")
     _check(ft.collective_timeout_s > 0, "fault_tolerance.collective_timeout_s", "must be > 0")
     _check(ft.reduce_bucket_mb > 0, "fault_tolerance.reduce_bucket_mb", "must be > 0")
+    _validate_replica_kind(config)
     for i, inj in enumerate(ft.inject):
         key = f"fault_tolerance.inject[{i}]"
         _check(inj.phase in PHASES, f"{key}.phase", f"{inj.phase!r} is not one of {', '.join(PHASES)}")
@@ -195,7 +212,7 @@ def validate(config: RecoverConfig) -> None:
         _check(0 <= inj.replica < n_replicas, f"{key}.replica",
                f"{inj.replica} is outside 0..{n_replicas - 1} (dp + spare_replicas)")
         _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
-               f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (tp * pp ranks per replica)")
+               f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (ranks per replica)")
         if inj.phase == "checkpoint":
             _check(config.checkpoints is not None and inj.step % config.checkpoints.checkpoint_interval == 0,
                    f"{key}.step", "a 'checkpoint' failure needs a step at which a checkpoint is saved")
@@ -203,3 +220,27 @@ def validate(config: RecoverConfig) -> None:
         killed = {inj.replica for inj in ft.inject}
         if len(killed) > n_replicas - 1:
             raise ConfigError("fault_tolerance.inject: the schedule kills every replica; none would be left")
+
+
+def _validate_replica_kind(config: RecoverConfig) -> None:
+    """``fault_tolerance.replica`` / ``fsdp_shard_size``: what an HSDP replica needs."""
+    ft, par, tok = config.fault_tolerance, config.parallelism, config.tokens
+    _check(ft.replica in REPLICA_KINDS, "fault_tolerance.replica",
+           f"{ft.replica!r} is not one of {', '.join(REPLICA_KINDS)}")
+    if ft.replica != REPLICA_FSDP:
+        _check(ft.fsdp_shard_size is None, "fault_tolerance.fsdp_shard_size", "is only used with replica: fsdp")
+        return
+    F = ft.fsdp_shard_size
+    _check(F is not None, "fault_tolerance.fsdp_shard_size", "is required with replica: fsdp")
+    _check(F >= 1, "fault_tolerance.fsdp_shard_size", f"must be >= 1, got {F}")
+    _check(ft.enabled, "fault_tolerance.replica",
+           "fsdp replicas need enabled: true (the stock data path has no HSDP mode)")
+    for key in ("tp", "pp"):
+        _check(getattr(par, key) == 1, f"parallelism.{key}",
+               f"must be 1 with fault_tolerance.replica: fsdp (a replica is one FSDP shard group), "
+               f"got {getattr(par, key)}")
+    _check(tok.micro_batch_size % F == 0, "tokens.micro_batch_size",
+           f"{tok.micro_batch_size} is not divisible by fault_tolerance.fsdp_shard_size={F} "
+           "(each microbatch's rows are split over the shard group)")
+    _check(not config.model.model_config.tie_word_embeddings, "model.model_config.tie_word_embeddings",
+           "tied embeddings are not supported with fault_tolerance.replica: fsdp")

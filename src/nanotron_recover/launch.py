@@ -88,6 +88,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     mode = "ReCoVer (ULFM)" if config.ft_enabled else "stock nanotron data path"
+    if config.sharded_replicas:
+        mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
     os.execv(cmd[0], cmd)
     return 0  # not reached

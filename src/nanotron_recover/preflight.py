@@ -16,7 +16,7 @@ from nanotron.config import PretrainDatasetsArgs
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
 from nanotron_recover import devices
-from nanotron_recover.checkpoint import check_same_microbatches, resolve_checkpoint
+from nanotron_recover.checkpoint import check_resumable, resolve_checkpoint
 from nanotron_recover.config import ConfigError, RecoverConfig, RecoverDataArgs, TokenizedDatasetArgs
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ def check_runtime_inputs(config: RecoverConfig) -> list[str]:
 
 
 def _check_resume_source(config: RecoverConfig) -> None:
-    """An explicit ``resume_checkpoint_path`` must hold a checkpoint of the same global microbatch count M."""
+    """An explicit ``resume_checkpoint_path`` must hold a checkpoint of the same global microbatch count M, in a
+    layout this run reads (3D: nanotron's; HSDP: shards of the same ``fsdp_shard_size``)."""
     args = config.checkpoints
     if args is None or not args.resume_checkpoint_path:
         return
@@ -87,7 +88,7 @@ def _check_resume_source(config: RecoverConfig) -> None:
     if source is None:
         raise ConfigError(f"{key}: no checkpoint at {args.resume_checkpoint_path}")
     try:
-        check_same_microbatches(source, config.microbatches_per_step)
+        check_resumable(source, config)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
 

@@ -7,6 +7,7 @@ when ranks were SIGKILLed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -117,19 +118,39 @@ def final_checkpoint(run_dir: Path) -> Path:
 
 
 def max_relative_param_diff(checkpoint_a: Path, checkpoint_b: Path) -> float:
-    """max over weight shards of max|a - b| / max|a|: the worst difference relative to each tensor's scale.
+    """max over weight tensors of max|a - b| / max|a|: the worst difference relative to each tensor's scale.
 
-    Both checkpoints must come from the same TP x PP layout (shard files are compared by path).
+    Two nanotron-format checkpoints must come from the same TP x PP layout (shard files are compared by path);
+    an HSDP checkpoint compares by parameter name with another HSDP or an unsharded (TP1 PP1) one.
     """
-    from safetensors.torch import load_file
-
-    files_a = {p.relative_to(checkpoint_a): p for p in (Path(checkpoint_a) / "model").rglob("*.safetensors")}
-    files_b = {p.relative_to(checkpoint_b): p for p in (Path(checkpoint_b) / "model").rglob("*.safetensors")}
-    if not files_a or files_a.keys() != files_b.keys():
-        raise ValueError(f"checkpoints hold different shards: {sorted(files_a.keys() ^ files_b.keys())[:4]}")
+    weights_a, weights_b = _weights_by_key(Path(checkpoint_a)), _weights_by_key(Path(checkpoint_b))
+    if not weights_a or weights_a.keys() != weights_b.keys():
+        raise ValueError(f"checkpoints hold different tensors: {sorted(weights_a.keys() ^ weights_b.keys())[:4]}")
     worst = 0.0
-    for rel, path in files_a.items():
-        a, b = load_file(path)["data"].double(), load_file(files_b[rel])["data"].double()
+    for key, a in weights_a.items():
+        a, b = a.double(), weights_b[key].double()
         scale = a.abs().max().item() or 1.0
         worst = max(worst, (a - b).abs().max().item() / scale)
     return worst
+
+
+def _weights_by_key(checkpoint: Path) -> dict:
+    """HSDP: full tensors by parameter name. nanotron format: shards by file path, or by parameter name when
+    the other side may be HSDP, i.e. when every file holds a whole (TP1 PP1) tensor."""
+    from safetensors.torch import load_file
+
+    from nanotron_recover.hsdp.checkpoint import FOLDER, read_full_weights
+
+    if (checkpoint / FOLDER).is_dir():
+        return read_full_weights(checkpoint)
+    files = sorted((checkpoint / "model").rglob("*.safetensors"))
+    if any(int(n) > 1 for p in files for n in re.findall(r"-of-(\d+)", p.name)):  # TP or PP shards
+        return {str(p.relative_to(checkpoint)): load_file(p)["data"] for p in files}
+    return {_param_name(p.relative_to(checkpoint / "model")): load_file(p)["data"] for p in files}
+
+
+def _param_name(relative: Path) -> str:
+    """``model/decoder/0/.../model_weight[_pp-rank-0-of-1_tp-rank-0-of-1].safetensors`` -> ``model.decoder.0....weight``
+    (nanotron's file naming)."""
+    leaf = relative.name.split(".")[0].removeprefix("model_").split("_pp-rank-")[0]
+    return ".".join((*relative.parent.parts, leaf))

@@ -74,7 +74,12 @@ def _run_resilient(config, run_dir: Path, timeout_s: float) -> int:
     )
     from nanotron_recover.trainer import RecoverTrainer
 
-    dp = ResilientDataParallel(config, timeout_s)
+    if config.sharded_replicas:
+        from nanotron_recover.hsdp.strategy import ShardedReplicaDataParallel
+
+        dp = ShardedReplicaDataParallel(config, timeout_s)
+    else:
+        dp = ResilientDataParallel(config, timeout_s)
     dp.on_exit = lambda code, reason: record_exit(run_dir, dp.ft.rank, code, reason)
     code, reason = 0, "finished"
     try:

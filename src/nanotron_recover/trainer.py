@@ -23,9 +23,10 @@ import torch
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.clip_grads import clip_grad_norm
 from nanotron.optim.named_optimizer import NamedOptimizer
+from torch.distributed.tensor import DTensor
 
 from nanotron_recover import devices
-from nanotron_recover.checkpoint import CheckpointManager
+from nanotron_recover.checkpoint import CheckpointLayout, CheckpointManager
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
@@ -104,7 +105,7 @@ class RecoverTrainer:
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
-        self.checkpoints = CheckpointManager(config, self.run_dir)
+        self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
         self.step = 0
         self._current_step = 0  # read by the failure-injection hooks
         self.grad_norm: float | None = None
@@ -130,10 +131,16 @@ class RecoverTrainer:
         """Failure injection fires inside the real computation: a forward pre-hook and a gradient hook."""
         if not any(s.replica == self.dp.replica and s.rank == self.dp.local_rank for s in self.injector.schedule):
             return
-        local_params = [p for p in self.model.parameters() if p.requires_grad]
+        local_params = [p for p in self.dp.unwrapped_model.parameters() if p.requires_grad]
         if not local_params:
             return
-        self.model.register_forward_pre_hook(lambda *_: self.injector.maybe_fail(self._current_step, "forward"))
+        self.dp.unwrapped_model.register_forward_pre_hook(lambda *_: self.injector.maybe_fail(self._current_step, "forward"))
+        if isinstance(local_params[0], DTensor):
+            # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
+            # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
+            middle = local_params[len(local_params) // 2]
+            middle.register_post_accumulate_grad_hook(lambda p: self.injector.maybe_fail(self._current_step, "backward"))
+            return
         local_params[0].register_hook(lambda g: self.injector.maybe_fail(self._current_step, "backward") or g)
 
     # ----------------------------------------------------------------------------------------------- compute
@@ -143,7 +150,10 @@ class RecoverTrainer:
             return LocalWork()
         self.injector.maybe_fail(step, "dataload")
         unwrapped, pc = self.dp.unwrapped_model, self.parallel_context
-        batch = [place_microbatch(self.dataset.microbatch(step, i), unwrapped, pc, self.device) for i in indices]
+        batch = [
+            place_microbatch(self.dp.local_rows(self.dataset.microbatch(step, i)), unwrapped, pc, self.device)
+            for i in indices
+        ]
         outputs = self.engine.train_batch_iter(
             self.dp.model,
             pg=self.parallel_context.pp_pg,
@@ -178,7 +188,7 @@ class RecoverTrainer:
         result = self.dp.forward_backward_reduce(self, step)  # plan -> compute -> reduce (with recovery)
         self.injector.maybe_fail(step, "optimizer")
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step
-            sync_tied_gradients(self.dp.unwrapped_model, self.parallel_context)
+            self.dp.sync_tied_gradients(self)
             self.grad_norm = self._clip()
             self.optimizer.step()
         self.lr_scheduler.step()
@@ -190,13 +200,7 @@ class RecoverTrainer:
         max_norm = self.config.optimizer.clip_grad
         if max_norm is None:
             return None
-        norm = clip_grad_norm(
-            mp_pg=self.parallel_context.mp_pg,
-            named_parameters=self.named_params,
-            max_norm=max_norm,
-            grad_accumulator=None,
-        )
-        return float(norm)
+        return self.dp.clip_grad_norm(self, max_norm)
 
     def log_step(self, result: CommittedStep, elapsed: float, tokens_per_step: int) -> None:
         live_procs = result.live_replicas * self.config.ranks_per_replica
@@ -240,6 +244,28 @@ class DataParallelStrategy:
     def computes(self) -> bool:
         """Whether this rank computes microbatches (an idle spare does not)."""
         return True
+
+    def checkpoint_layout(self) -> "CheckpointLayout | None":
+        """What goes inside a checkpoint folder (None: nanotron's format)."""
+        return None
+
+    def local_rows(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rows of a global microbatch that this rank feeds (all of them unless a replica splits rows)."""
+        return microbatch
+
+    def clip_grad_norm(self, trainer: RecoverTrainer, max_norm: float) -> float:
+        """Clip the committed gradient to ``max_norm`` (nanotron's, over the replica's model-parallel group)."""
+        norm = clip_grad_norm(
+            mp_pg=self.parallel_context.mp_pg,
+            named_parameters=trainer.named_params,
+            max_norm=max_norm,
+            grad_accumulator=None,
+        )
+        return float(norm)
+
+    def sync_tied_gradients(self, trainer: RecoverTrainer) -> None:
+        """SUM the gradients of parameters tied across the replica's ranks (nanotron's tied-weight groups)."""
+        sync_tied_gradients(self.unwrapped_model, self.parallel_context)
 
     def forward_backward_reduce(self, trainer: RecoverTrainer, step: int) -> CommittedStep: ...
 

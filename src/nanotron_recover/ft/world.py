@@ -37,7 +37,7 @@ class FTWorld:
 
     Args:
         comm: the communicator to build on (duplicated; the original is never used for traffic).
-        ranks_per_replica: TP x PP ranks of one replica.
+        ranks_per_replica: ranks of one replica (TP x PP, or the FSDP shard size of an HSDP replica).
         active_replicas: replicas that take part in the data-parallel reduction; the others are spares.
             Default: all.
         watch: start the early-notice watcher thread (needed to release a rank stuck in intra-replica torch

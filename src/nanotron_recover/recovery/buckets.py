@@ -20,6 +20,10 @@ Gradient accumulation:
   low-precision ``.grad`` into it and drops ``.grad``. The optimizer must then read ``main_grad`` (e.g. fp32 master
   weights). ``main_grad`` is set for fp32 parameters too, so the trainer can always read ``main_grad``.
 
+Sharded parameters (HSDP, torch FSDP2): a parameter that is a ``DTensor`` contributes its *local shard*; its
+``.grad`` is bound as a ``DTensor`` whose local tensor is the flat-buffer view. FSDP2 accumulates each
+reduce-scattered gradient into an existing sharded ``.grad`` in place, so the buffer fills with no copy.
+
 Snapshots: ``snapshot_slots`` full-size buffers are allocated once; a step occupies one slot from its first
 snapshot until :meth:`GradBuckets.release`. Nothing on the step path allocates.
 
@@ -38,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from nanotron_recover.devices import needs_host_staging
 
@@ -79,6 +84,7 @@ class GradBuckets:
         # A rank may own no trainable parameter (a pipeline stage holding only the loss): it then has one empty
         # bucket, so it still takes part in every cross-replica collective of its coordinate.
         for name, p in params:
+            p = local_tensor(p)
             if p.device != self.device and not (self.device.index is None and p.device.type == self.device.type):
                 raise ValueError(f"param {name} is on {p.device}, buffer on {self.device}")
         self.cap_numel = max(1, int(bucket_cap_mb * 2**20) // _FP32_BYTES)
@@ -91,7 +97,7 @@ class GradBuckets:
         self._bucket_of: dict[str, int] = {}
         start = off = 0
         for name, p in self._params:
-            n = p.numel()
+            n = local_tensor(p).numel()
             if off > start and off + n - start > self.cap_numel:
                 self.bucket_ranges.append((start, off))
                 self._bucket_params.append([])
@@ -105,7 +111,9 @@ class GradBuckets:
 
         self.flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self._views = [self.flat[a:b] for a, b in self.bucket_ranges]
-        self._param_views = [self.flat[a:b].view(p.shape) for (a, b), (_, p) in zip(self._offsets, self._params)]
+        self._param_views = [
+            self.flat[a:b].view(local_tensor(p).shape) for (a, b), (_, p) in zip(self._offsets, self._params)
+        ]
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._bind()
 
@@ -152,10 +160,12 @@ class GradBuckets:
     def _bind(self) -> None:
         for (_, p), view in zip(self._params, self._param_views):
             if p.dtype == torch.float32:
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+                if p.grad is not None and local_tensor(p.grad).data_ptr() != view.data_ptr():
+                    view.copy_(local_tensor(p.grad))
+                p.grad = _as_grad_of(p, view)
             else:
+                if isinstance(p, DTensor):
+                    raise ValueError("sharded (DTensor) parameters must be fp32")
                 if p.grad is not None:
                     view.add_(p.grad)
                     p.grad = None
@@ -165,7 +175,7 @@ class GradBuckets:
     def is_bound(self) -> bool:
         """Whether every fp32 param's ``.grad`` still points into the flat buffer."""
         return all(
-            p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+            p.grad is not None and local_tensor(p.grad).data_ptr() == v.data_ptr()
             for (_, p), v in zip(self._params, self._param_views)
             if p.dtype == torch.float32
         )
@@ -174,8 +184,8 @@ class GradBuckets:
         """Zero all gradients in place (use instead of ``optimizer.zero_grad()``); re-binds dropped ``.grad``."""
         self.flat.zero_()
         for (_, p), v in zip(self._params, self._param_views):
-            if p.dtype == torch.float32 and (p.grad is None or p.grad.data_ptr() != v.data_ptr()):
-                p.grad = v
+            if p.dtype == torch.float32 and (p.grad is None or local_tensor(p.grad).data_ptr() != v.data_ptr()):
+                p.grad = _as_grad_of(p, v)
             elif p.dtype != torch.float32:
                 p.grad = None
 
@@ -294,6 +304,22 @@ class GradBuckets:
         """Latest world epoch used for ``step``'s snapshots (kept across restores), None if it holds none."""
         k = self._slot(step)
         return None if k is None else self._slot_epoch[k]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor`` (a view, no copy), else ``t`` itself."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def _as_grad_of(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` in the form ``p.grad`` must take: a ``DTensor`` with ``p``'s mesh and placements for a sharded
+    parameter (its local tensor *is* the view), the plain view otherwise."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return view
 
 
 def _fold_into_main_grad(p: torch.Tensor) -> None:

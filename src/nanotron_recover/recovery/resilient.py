@@ -27,7 +27,7 @@ from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.ft import FailureDetected, FTWorld, RepairEvent
 from nanotron_recover.mpirun import HEARTBEAT_TIMEOUT_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
-from nanotron_recover.recovery.buckets import GradBuckets
+from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
 from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, LocalWork
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -58,28 +58,34 @@ class ResilientDataParallel(DataParallelStrategy):
         if world.Get_size() != config.world_size:
             raise SystemExit(
                 f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs {config.world_size} "
-                f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x tp={par.tp} x pp={par.pp})"
+                f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x {config.ranks_per_replica} ranks per replica)"
             )
         rpr = config.ranks_per_replica
         self.replica, self.local_rank = divmod(world.Get_rank(), rpr)
-        self.pp_rank, self.tp_rank = divmod(self.local_rank, par.tp)
-        self.last_stage = self.pp_rank == par.pp - 1
+        self.loss_divisor = self.M  # every microbatch's loss / M: the reduced gradient is the step's mean
 
         replica_comm = world.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
         init_replica_torch_world(replica_comm, timeout_s)
         replica_comm.Free()
-        self.parallel_context = ReplicaParallelContext(
-            tensor_parallel_size=par.tp,
-            pipeline_parallel_size=par.pp,
-            data_parallel_size=1,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
         active = list(range(par.dp))
         self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
         self.ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict)
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
         self.on_exit: Callable[[int, str], None] = lambda code, reason: None
+
+    def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
+        """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""
+        par = self.config.parallelism
+        return ReplicaParallelContext(
+            tensor_parallel_size=par.tp, pipeline_parallel_size=par.pp, data_parallel_size=1, timeout=timeout
+        )
+
+    def _reports_loss(self) -> bool:
+        """Whether this rank's loss sum counts in the step's loss: one rank per microbatch (last stage, TP rank 0)."""
+        pp_rank, tp_rank = divmod(self.local_rank, self.config.parallelism.tp)
+        return pp_rank == self.config.parallelism.pp - 1 and tp_rank == 0
 
     # ------------------------------------------------------------------------------------------------- model
     def attach_model(self, trainer: "RecoverTrainer") -> None:
@@ -99,7 +105,7 @@ class ResilientDataParallel(DataParallelStrategy):
         recoveries = 0
         while True:
             try:
-                work += trainer.compute(step, todo, loss_divisor=self.M)
+                work += trainer.compute(step, todo, loss_divisor=self.loss_divisor)
                 todo = []
                 self._reduce(trainer, step, work)
                 self.ft.agree(True)  # the commit point: once per attempt, on every live rank; raises on failure
@@ -157,7 +163,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.buckets.from_host(i)
                 if i == 0:
                     trainer.injector.maybe_fail(step, "reduce")
-        self._stats[0] = work.loss_sum if (computing and self.last_stage and self.tp_rank == 0) else 0.0
+        self._stats[0] = work.loss_sum if (computing and self._reports_loss()) else 0.0
         self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
         self.ft.allreduce_sum_(self._stats, "world")
 
@@ -216,7 +222,7 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def _copy_state_to_new_replicas(self, trainer: "RecoverTrainer", donor: int, new: set[int]) -> None:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
-        _ensure_adam_state(trainer.optimizer)
+        ensure_adam_state(trainer.optimizer)
         for tensor in _state_tensors(trainer):
             _bcast_tensor(self.ft, tensor, donor)
         trainer.metrics.log_event(
@@ -264,13 +270,17 @@ class ResilientDataParallel(DataParallelStrategy):
 
 
 def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
-    """Broadcast one tensor in place from ``donor``'s rank of this coordinate (CUDA tensors via a host copy)."""
+    """Broadcast one tensor in place from ``donor``'s rank of this coordinate (CUDA tensors via a host copy).
+
+    Coordinates match shard for shard: a rank of an FSDP replica receives its own shard from the donor replica's
+    rank of the same shard index."""
+    tensor = local_tensor(tensor.detach())  # a sharded (FSDP) tensor: this rank's shard
     if needs_host_staging(tensor.device):
-        host = tensor.detach().cpu()
+        host = tensor.cpu()
         ft.bcast_(host.view(-1).numpy(), root_replica=donor, comm="coord")
-        tensor.detach().copy_(host)
+        tensor.copy_(host)
     else:
-        ft.bcast_(tensor.detach().view(-1).numpy(), root_replica=donor, comm="coord")  # zero-copy
+        ft.bcast_(tensor.view(-1).numpy(), root_replica=donor, comm="coord")  # zero-copy
 
 
 def _state_tensors(trainer: "RecoverTrainer"):
@@ -284,7 +294,7 @@ def _state_tensors(trainer: "RecoverTrainer"):
             yield state[key]
 
 
-def _ensure_adam_state(optimizer) -> None:
+def ensure_adam_state(optimizer) -> None:
     """A spare never stepped (idle replicas skip the optimizer): create its Adam state for the broadcast to fill."""
     inner = optimizer.optimizer
     for group in inner.param_groups:

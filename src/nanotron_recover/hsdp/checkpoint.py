@@ -1,0 +1,108 @@
+"""The HSDP checkpoint format: one file per shard, written by the F ranks of one replica.
+
+Inside a checkpoint folder (``<checkpoints_path>/<step>/``, published atomically like every checkpoint)::
+
+    trainer_state.json              {"step", "microbatches_per_step", "layout": "hsdp", "fsdp_shard_size": F, ...}
+    hsdp/manifest.json              format, F, the shard dimension (0) and every parameter's full shape
+    hsdp/shard-<f>-of-<F>.pt        torch.save of {"model": {name: shard}, "optimizer": {name: {"step", "exp_avg",
+                                    "exp_avg_sq"}}, "param_groups": [hyper-parameters, no params]}
+    hsdp/lr_scheduler.pt            the LR scheduler's state_dict
+
+Shard ``f`` of a parameter is FSDP2's: rows ``[f * ceil(n / F), (f + 1) * ceil(n / F))`` of dim 0 (the last shards
+may be shorter or empty). Concatenating the shards of a name along dim 0 in shard order gives the full tensor, so
+the format is readable without torch.distributed. A run resumes it with the same F.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanotron_recover.recovery.buckets import local_tensor
+from nanotron_recover.recovery.resilient import ensure_adam_state
+
+if TYPE_CHECKING:
+    from nanotron_recover.trainer import RecoverTrainer
+
+FORMAT = "nanotron-recover-hsdp"
+VERSION = 1
+FOLDER = "hsdp"
+
+
+def shard_file(folder: Path, shard: int, num_shards: int) -> Path:
+    return folder / FOLDER / f"shard-{shard:05d}-of-{num_shards:05d}.pt"
+
+
+class ShardedLayout:
+    """Every rank of the writing replica saves its own shard; shard 0 also writes the manifest and scheduler."""
+
+    name = "hsdp"
+
+    def __init__(self, shard: int, num_shards: int) -> None:
+        self.shard = shard
+        self.num_shards = num_shards
+
+    def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
+        (folder / FOLDER).mkdir(exist_ok=True)
+        inner = trainer.optimizer.optimizer
+        ensure_adam_state(trainer.optimizer)
+        payload = {
+            "model": {name: local_tensor(p.detach()).clone() for name, p in trainer.named_params},
+            "optimizer": {
+                name: {key: local_tensor(value).clone() for key, value in inner.state[p].items()}
+                for name, p in trainer.named_params
+            },
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
+        }
+        torch.save(payload, shard_file(folder, self.shard, self.num_shards))
+        if self.shard == 0:
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "fsdp_shard_size": self.num_shards,
+                "shard_dim": 0,
+                "step": step,
+                "params": {name: list(p.shape) for name, p in trainer.named_params},
+            }
+            (folder / FOLDER / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            torch.save(trainer.lr_scheduler.state_dict(), folder / FOLDER / "lr_scheduler.pt")
+
+    @torch.no_grad()
+    def read(self, trainer: "RecoverTrainer", folder: Path) -> None:
+        manifest = json.loads((folder / FOLDER / "manifest.json").read_text())
+        if manifest.get("format") != FORMAT or manifest.get("fsdp_shard_size") != self.num_shards:
+            raise ValueError(
+                f"{folder}: not an HSDP checkpoint of fsdp_shard_size={self.num_shards} "
+                f"(manifest: {manifest.get('format')}, fsdp_shard_size={manifest.get('fsdp_shard_size')})"
+            )
+        payload = torch.load(shard_file(folder, self.shard, self.num_shards), map_location=trainer.device)
+        names = [name for name, _ in trainer.named_params]
+        missing = sorted(set(names) ^ set(payload["model"]))
+        if missing:
+            raise ValueError(f"{folder}: parameters differ from the model's: {missing[:5]}")
+        inner = trainer.optimizer.optimizer
+        ensure_adam_state(trainer.optimizer)
+        for name, p in trainer.named_params:
+            local_tensor(p.detach()).copy_(payload["model"][name])
+            for key, value in payload["optimizer"][name].items():
+                local_tensor(inner.state[p][key]).copy_(value)
+        for group, saved in zip(inner.param_groups, payload["param_groups"]):
+            group.update(saved)
+        trainer.lr_scheduler.load_state_dict(torch.load(folder / FOLDER / "lr_scheduler.pt"))
+
+
+def read_full_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights of an HSDP checkpoint, by parameter name, read on one process."""
+    folder = Path(folder)
+    manifest = json.loads((folder / FOLDER / "manifest.json").read_text())
+    num_shards = manifest["fsdp_shard_size"]
+    shards = [torch.load(shard_file(folder, f, num_shards), map_location="cpu")["model"] for f in range(num_shards)]
+    full = {}
+    for name, shape in manifest["params"].items():
+        full[name] = torch.cat([shard[name] for shard in shards], dim=manifest["shard_dim"])
+        if list(full[name].shape) != shape:
+            raise ValueError(f"{folder}: shards of {name} make {list(full[name].shape)}, manifest says {shape}")
+    return full

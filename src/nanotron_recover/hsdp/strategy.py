@@ -1,0 +1,57 @@
+"""ReCoVer's data-parallel path for HSDP replicas (each replica = one FSDP shard group of F ranks).
+
+Only what differs from :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel` is here: the replica's
+nanotron context (dp = F inside it), the sharding of the model, the row split, the loss scaling 1/(M F), the clip
+of a sharded gradient and the checkpoint layout. Planning, buckets, snapshots, recovery, spares (state copied
+shard by shard: coordinate = shard index) and the commit are inherited unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.hsdp.checkpoint import ShardedLayout
+from nanotron_recover.hsdp.sharding import clip_sharded_grad_, local_rows, shard_replica_model
+from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.recovery.resilient import ResilientDataParallel
+
+if TYPE_CHECKING:
+    from nanotron_recover.trainer import RecoverTrainer
+
+
+class ShardedReplicaDataParallel(ResilientDataParallel):
+    def __init__(self, config: RecoverConfig, timeout_s: float) -> None:
+        super().__init__(config, timeout_s)
+        self.shard_size = config.fault_tolerance.fsdp_shard_size
+        self.loss_divisor = self.M * self.shard_size  # each rank's loss covers 1/F of a microbatch's rows
+
+    def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
+        """Inside the replica nanotron sees dp = F (its dp group is the shard group), tp = pp = 1."""
+        shards = self.config.fault_tolerance.fsdp_shard_size
+        return ReplicaParallelContext(1, 1, data_parallel_size=shards, timeout=timeout)
+
+    def _reports_loss(self) -> bool:
+        return True  # every shard computes the loss of its own rows
+
+    def attach_model(self, trainer: "RecoverTrainer") -> None:
+        """Shard the freshly initialised model (every replica holds the same full weights before), then lay the
+        gradient shards into the flat buckets."""
+        shard_replica_model(trainer.model, self.parallel_context.dp_pg)
+        trainer.named_params = list(trainer.model.named_parameters())  # now the sharded DTensor parameters
+        super().attach_model(trainer)
+
+    def local_rows(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return local_rows(microbatch, self.local_rank, self.shard_size)
+
+    def clip_grad_norm(self, trainer: "RecoverTrainer", max_norm: float) -> float:
+        return clip_sharded_grad_(self.buckets.flat, max_norm, self.parallel_context.dp_pg)
+
+    def sync_tied_gradients(self, trainer: "RecoverTrainer") -> None:
+        """Nothing is tied across ranks: tp = pp = 1 and tied embeddings are rejected by the config."""
+
+    def checkpoint_layout(self) -> ShardedLayout:
+        return ShardedLayout(shard=self.local_rank, num_shards=self.shard_size)

@@ -4,17 +4,18 @@ Three layouts of R replicas train the same model on the same data with the same 
 SIGKILLed mid-run in ``backward``; ReCoVer keeps the global batch, so all three commit the same tokens):
 
 * ``3d``      R replicas x TP1 PP1        (R processes)
-* ``3d-tp2``  R replicas x TP2            (2R processes: as many as HSDP)
+* ``3d-tp2``  R replicas x TP2            (2R processes: as many as HSDP with the default F = 2)
 * ``hsdp``    R replicas x FSDP2 shards F (F R processes; ``fault_tolerance.replica: fsdp``)
 
 Reported per layout: effective throughput (committed tokens per process-second from launch to exit, the headline's
 definition: startup, the failure and the smaller world after it included); step throughput (committed tokens per
-process-second spent inside steps, the first 2 steps left out: the steady state, without process startup); committed
+process-second spent inside steps, the first 2 steps left out: no process startup, but the failure's step and the
+smaller world after it count as in the effective throughput); committed
 tokens per wall second; the median failure-free step time (steps before the kill, warm-up left out); and the largest
 per-step loss difference from ``3d`` (the three must train the same model). Writes hsdp_vs_3d.json / .md under --out.
 
 Last line: ``hsdp_vs_3d_effective_throughput=X hsdp_vs_3d_tp2_effective_throughput=Y hsdp_vs_3d_step_throughput=Z``
-(HSDP / 3D ratios; the last one in steady state).
+(HSDP / 3D ratios; the last one inside steps only).
 Minimal size: --dp 2 --accumulation 1 --steps 4 --fail-step 3 --hidden 32 --intermediate 64 --seq 16
 """
 

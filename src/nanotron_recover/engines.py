@@ -195,6 +195,6 @@ def place_microbatch(
 
 
 def summed_loss(outputs: List[Dict[str, MaybeTensor]]) -> Optional[torch.Tensor]:
-    """Sum of the (already 1/M-scaled) microbatch losses, or None off the output stage / with no microbatch."""
+    """Sum of the (already ``loss_divisor``-scaled) microbatch losses, or None off the output stage / with none."""
     losses = [o["loss"] for o in outputs if isinstance(o["loss"], torch.Tensor)]
     return torch.stack(losses).sum() if losses else None

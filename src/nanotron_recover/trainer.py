@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LocalWork:
-    """What this rank computed in a step: the loss sum (each microbatch's loss / M) and the microbatch count."""
+    """What this rank computed in a step: the loss sum (each microbatch's loss / the strategy's ``loss_divisor``:
+    M, or M x F for an HSDP rank that holds 1/F of each microbatch's rows) and the microbatch count."""
 
     loss_sum: float = 0.0
     microbatches: int = 0

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanotron_recover.recovery.buckets import local_tensor
-from nanotron_recover.recovery.resilient import ensure_adam_state
+from nanotron_recover.recovery.optim_state import ensure_adam_state
 
 if TYPE_CHECKING:
     from nanotron_recover.trainer import RecoverTrainer
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 FORMAT = "nanotron-recover-hsdp"
 VERSION = 1
 FOLDER = "hsdp"
+HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
 def shard_file(folder: Path, shard: int, num_shards: int) -> Path:
@@ -84,14 +85,25 @@ class ShardedLayout:
         if missing:
             raise ValueError(f"{folder}: parameters differ from the model's: {missing[:5]}")
         inner = trainer.optimizer.optimizer
+        if len(payload["param_groups"]) != len(inner.param_groups):
+            raise ValueError(f"{folder}: {len(payload['param_groups'])} optimizer param groups saved, "
+                             f"the optimizer has {len(inner.param_groups)}")
         ensure_adam_state(trainer.optimizer)
         for name, p in trainer.named_params:
-            local_tensor(p.detach()).copy_(payload["model"][name])
+            _copy_shard(local_tensor(p.detach()), payload["model"][name], f"{folder}: {name}")
             for key, value in payload["optimizer"][name].items():
-                local_tensor(inner.state[p][key]).copy_(value)
+                _copy_shard(local_tensor(inner.state[p][key]), value, f"{folder}: {name} optimizer {key}")
         for group, saved in zip(inner.param_groups, payload["param_groups"]):
-            group.update(saved)
+            # hyper-parameters only: the implementation flags (fused, foreach, ...) belong to this run's device
+            group.update({k: v for k, v in saved.items() if k in HYPERPARAMETERS})
         trainer.lr_scheduler.load_state_dict(torch.load(folder / FOLDER / "lr_scheduler.pt"))
+
+
+def _copy_shard(into: torch.Tensor, saved: torch.Tensor, what: str) -> None:
+    """Copy a saved shard in place; shapes must match exactly (``copy_`` would broadcast a wrong one)."""
+    if saved.shape != into.shape:
+        raise ValueError(f"{what}: saved shard {tuple(saved.shape)}, this rank's is {tuple(into.shape)}")
+    into.copy_(saved)
 
 
 def read_full_weights(folder: Path) -> dict[str, torch.Tensor]:

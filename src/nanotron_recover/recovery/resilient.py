@@ -28,6 +28,7 @@ from nanotron_recover.ft import FailureDetected, FTWorld, RepairEvent
 from nanotron_recover.mpirun import HEARTBEAT_TIMEOUT_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
+from nanotron_recover.recovery.optim_state import ensure_adam_state
 from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, LocalWork
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -292,15 +293,3 @@ def _state_tensors(trainer: "RecoverTrainer"):
         state = inner.state[param]
         for key in sorted(state):
             yield state[key]
-
-
-def ensure_adam_state(optimizer) -> None:
-    """A spare never stepped (idle replicas skip the optimizer): create its Adam state for the broadcast to fill."""
-    inner = optimizer.optimizer
-    for group in inner.param_groups:
-        for p in group["params"]:
-            state = inner.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

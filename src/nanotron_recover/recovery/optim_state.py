@@ -1,0 +1,27 @@
+"""Adam state that exists before the first optimizer step, so that it can be filled in place.
+
+An idle spare never stepped, and a resumed HSDP run loads shards into existing tensors: both need the state
+tensors AdamW would create on its first step. No MPI here: checkpoint readers import this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanotron_recover.recovery.buckets import local_tensor
+
+
+def ensure_adam_state(optimizer) -> None:
+    """Create missing AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``) the way AdamW's first step would:
+    moments shaped like the parameter (a ``DTensor`` for a sharded one), ``step`` a float32 scalar on the CPU, or
+    on the parameter's device for the fused / capturable implementations."""
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    for group in inner.param_groups:
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+        for p in group["params"]:
+            state = inner.state[p]
+            if not state:
+                device = local_tensor(p).device if on_device else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 LATEST = "latest.txt"
 STATE_FILE = "trainer_state.json"
+LAYOUT_NANOTRON = "nanotron"  # trainer_state.json "layout" values (absent in older checkpoints: nanotron)
+LAYOUT_HSDP = "hsdp"
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -77,8 +79,6 @@ def resolve_checkpoint(path: Path) -> Path | None:
 class CheckpointLayout(Protocol):
     """How model, optimizer and LR scheduler are laid out inside a checkpoint folder."""
 
-    name: str
-
     def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
         """Collective over the writing replica's ranks; ``folder`` exists."""
 
@@ -88,8 +88,6 @@ class CheckpointLayout(Protocol):
 
 class NanotronLayout:
     """nanotron 0.4's ``serialize`` format (weights as safetensors per TP/PP shard, optimizer, LR scheduler)."""
-
-    name = "nanotron"
 
     def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
         pc = trainer.parallel_context
@@ -109,22 +107,22 @@ class NanotronLayout:
 def layout_state(config: RecoverConfig) -> dict:
     """The ``trainer_state.json`` keys that say which runs can resume a checkpoint (besides M)."""
     if config.sharded_replicas:
-        return {"layout": "hsdp", "fsdp_shard_size": config.fault_tolerance.fsdp_shard_size}
-    return {"layout": NanotronLayout.name}
+        return {"layout": LAYOUT_HSDP, "fsdp_shard_size": config.fault_tolerance.fsdp_shard_size}
+    return {"layout": LAYOUT_NANOTRON}
 
 
 def check_resumable(source: Path, config: RecoverConfig) -> None:
     """Same M, and a layout this run reads: nanotron (3D replicas) or HSDP shards of the same shard size."""
     check_same_microbatches(source, config.microbatches_per_step)
     saved = json.loads((source / STATE_FILE).read_text())
-    saved_layout = {"layout": saved.get("layout", NanotronLayout.name), "fsdp_shard_size": saved.get("fsdp_shard_size")}
+    saved_layout = {"layout": saved.get("layout", LAYOUT_NANOTRON), "fsdp_shard_size": saved.get("fsdp_shard_size")}
     wanted = {"fsdp_shard_size": None, **layout_state(config)}
     if saved_layout != wanted:
         raise ValueError(f"{source} holds {_describe(saved_layout)}; this run needs {_describe(wanted)}")
 
 
 def _describe(layout: dict) -> str:
-    if layout["layout"] == "hsdp":
+    if layout["layout"] == LAYOUT_HSDP:
         return f"HSDP shards of fsdp_shard_size={layout['fsdp_shard_size']}"
     return f"the {layout['layout']} format (3D replicas)"
 

@@ -52,6 +52,15 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [steps[k] for k in sorted(steps)], events
 
 
+def read_exits(run_dir: Path) -> dict[int, dict]:
+    """How each rank ended: ``{world rank: {"code", "reason"}}`` from ``exits/``; a SIGKILLed rank leaves none."""
+    out = {}
+    for path in (Path(run_dir) / "exits").glob("rank-*.json"):
+        record = json.loads(path.read_text())
+        out[record["rank"]] = record
+    return out
+
+
 def write_config(config: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

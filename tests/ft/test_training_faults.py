@@ -7,27 +7,15 @@ global batch kept, the per-step losses must match (the trajectory does not chang
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.runs import RunResult, read_exits, run_training
 
 STEPS = 6
 FAIL_STEP = 3
 TIMEOUT_S = 240
 TOL = 1e-5
-
-
-def exits(run_dir: Path) -> dict[int, dict]:
-    """How each rank ended: {world rank: {"code", "reason"}}; a SIGKILLed rank leaves no record."""
-    out = {}
-    for path in (run_dir / "exits").glob("rank-*.json"):
-        record = json.loads(path.read_text())
-        out[record["rank"]] = record
-    return out
 
 
 def ft_config(tiny_config, *, dp: int, tp: int = 1, pp: int = 1, inject: list[dict], **ft) -> dict:
@@ -74,7 +62,7 @@ def test_three_replicas_tp2_survive_a_kill_in_each_phase(phase, tiny_config, tmp
         tiny_config, tmp_path, dp=3, tp=2, inject=[{"step": FAIL_STEP, "replica": 1, "rank": 1, "phase": phase}]
     )
     assert_survived(result, reference, m=6, failed_replicas={1})
-    ended = exits(tmp_path)
+    ended = read_exits(tmp_path)
     assert 3 not in ended, "the victim was SIGKILLed and cannot have exited normally"
     assert ended[2]["code"] == 0 and "evicted" in ended[2]["reason"], ended
     for rank in (0, 1, 4, 5):
@@ -88,7 +76,7 @@ def test_victim_is_world_rank_zero_logging_moves_on(tiny_config, tmp_path, tmp_p
     )
     # steps after the failure were logged by the new lowest live rank (world rank 2)
     assert_survived(result, reference, m=6, failed_replicas={0})
-    assert exits(tmp_path)[1]["code"] == 0
+    assert read_exits(tmp_path)[1]["code"] == 0
 
 
 def test_two_replicas_die_in_the_same_step(tiny_config, tmp_path, tmp_path_factory):
@@ -123,5 +111,5 @@ def test_pp2_failure_releases_the_other_stage_before_the_torch_timeout(tiny_conf
         inject=[{"step": FAIL_STEP, "replica": 1, "rank": 0, "phase": "forward"}],
     )
     assert_survived(result, reference, m=4, failed_replicas={1})
-    assert exits(tmp_path)[3]["code"] == 0
+    assert read_exits(tmp_path)[3]["code"] == 0
     assert result.wall_s < 100, f"stage 1 was not released early: the run took {result.wall_s:.0f} s"

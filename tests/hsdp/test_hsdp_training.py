@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 from nanotron_recover.checkpoint import LATEST, STATE_FILE
-from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.runs import (
+    final_checkpoint,
+    max_loss_diff,
+    max_relative_param_diff,
+    read_exits,
+    run_training,
+)
 
 STEPS = 30
 SHORT = 10
@@ -67,7 +73,7 @@ def test_hsdp_survives_a_backward_and_a_reduce_kill(hsdp_reference, tiny_config,
     assert [s["live_replicas"] for s in result.steps][-1] == 1
     assert max_loss_diff(hsdp_reference, result) <= TOL, tail
     assert max_relative_param_diff(final_checkpoint(hsdp_reference.run_dir), final_checkpoint(tmp_path)) <= TOL
-    ended = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in (tmp_path / "exits").glob("*")}
+    ended = read_exits(tmp_path)
     assert 3 not in ended and 4 not in ended, "the victims were SIGKILLed"
     assert ended[2]["code"] == 0 and "evicted" in ended[2]["reason"], ended
     assert ended[5]["code"] == 0 and "evicted" in ended[5]["reason"], ended

@@ -40,8 +40,6 @@ def shard_file(folder: Path, shard: int, num_shards: int) -> Path:
 class ShardedLayout:
     """Every rank of the writing replica saves its own shard; shard 0 also writes the manifest and scheduler."""
 
-    name = "hsdp"
-
     def __init__(self, shard: int, num_shards: int) -> None:
         self.shard = shard
         self.num_shards = num_shards

@@ -123,3 +123,28 @@ def test_shipped_configs_load(path):
     assert config.ft_enabled and config.fault_tolerance.inject
     if config.sharded_replicas:
         assert config.world_size == config.parallelism.dp * config.fault_tolerance.fsdp_shard_size
+
+
+def test_invalid_yaml_is_a_one_line_config_error_naming_file_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("general:\n  project: x\n  run: [a, b\nmodel: {\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{bad}:4:6: not valid YAML")
+
+
+@pytest.mark.parametrize("entry", ["launch", "train"])
+def test_invalid_yaml_exits_2_from_both_entry_points(tmp_path: Path, entry: str, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: b: c\n")
+    if entry == "launch":
+        from nanotron_recover.launch import main
+
+        code = main(["train", "--config-file", str(bad)])
+    else:
+        from nanotron_recover.train import main
+
+        code = main(["--config-file", str(bad), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and f"{bad}:1:5" in err

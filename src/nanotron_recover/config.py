@@ -156,7 +156,14 @@ def load_config(path: str | os.PathLike) -> RecoverConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
-        raw = yaml.safe_load(f)
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            # one line: file, line and column (1-based) of the problem, and what YAML expected there
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            what = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ConfigError(f"{where}: not valid YAML: {what}") from None
     try:
         return config_from_dict(raw)
     except ConfigError:

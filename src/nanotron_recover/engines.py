@@ -114,15 +114,6 @@ class _GlobalLossDivisor(PipelineEngine):
         wait_pipeline_sends(model)
         return outputs
 
-    def validate_batch_iter(
-        self, model: nn.Module, batch: Iterable[MicroBatch], nb_microbatches: int
-    ) -> List[Dict[str, MaybeTensor]]:
-        """nanotron's forward-only pass (losses divided by ``nb_microbatches``), sends completed before return."""
-        reset_pipeline_queues()
-        outputs = super().validate_batch_iter(model=model, batch=batch, nb_microbatches=nb_microbatches)
-        wait_pipeline_sends(model)
-        return outputs
-
     def _schedule(self, model, pg, batch, nb_microbatches, grad_accumulator) -> List[Dict[str, MaybeTensor]]:
         return super().train_batch_iter(
             model=model, pg=pg, batch=batch, nb_microbatches=nb_microbatches, grad_accumulator=grad_accumulator

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanotron_recover.workload.planner import plan_step
-from nanotron_recover.workload.spares import ReplicaRoster
+from nanotron_recover.workload.spares import ReplicaRoster, RosterChange
 
 
 def test_spares_replace_lowest_first():
@@ -16,19 +16,13 @@ def test_spares_replace_lowest_first():
     assert ch.failed_active == (1, 2)
     assert ch.replacements == ((4, 1), (5, 2))
     assert ch.activated == (4, 5)
-    assert ch.donor == 0
-    assert ch.active == (0, 3, 4, 5)
-    assert ch.spares == (6,)
-    assert ch.shrunk_by == 0
-    assert ro.active == [0, 3, 4, 5]
+    assert ro.active == [0, 3, 4, 5] and ro.spares == [6]
 
 
 def test_shrinks_when_spares_run_out():
     ro = ReplicaRoster(active=[0, 1, 2], spares=[3])
     ch = ro.on_failure([0, 2])
     assert ch.replacements == ((3, 0),)
-    assert ch.shrunk_by == 1
-    assert ch.donor == 1
     assert ro.active == [1, 3]
     assert ro.below_minimum(3) and not ro.below_minimum(2)
 
@@ -36,8 +30,8 @@ def test_shrinks_when_spares_run_out():
 def test_failed_spare_just_disappears():
     ro = ReplicaRoster(active=[0, 1], spares=[2, 3])
     ch = ro.on_failure([2])
-    assert ch.failed_spares == (2,) and ch.replacements == () and ch.changed
-    assert ro.spares == [3]
+    assert ch.failed_active == () and ch.replacements == ()
+    assert ro.spares == [3] and ro.retired == [2]
     ch = ro.on_failure([1])
     assert ch.replacements == ((3, 1),)
 
@@ -49,17 +43,17 @@ def test_failed_spare_and_active_together_use_next_spare():
     assert ro.active == [0, 3] and ro.spares == []
 
 
-def test_no_donor_when_all_active_die():
+def test_every_active_replica_lost_is_replaced_while_spares_last():
     ro = ReplicaRoster(active=[0, 1], spares=[2, 3])
     ch = ro.on_failure([0, 1])
-    assert ch.donor is None and ch.replacements == ((2, 0), (3, 1))
+    assert ch.replacements == ((2, 0), (3, 1)) and ro.active == [2, 3]
 
 
 def test_retired_ignored_unknown_rejected():
     ro = ReplicaRoster(active=[0, 1], spares=[])
     ro.on_failure([1])
     ch = ro.on_failure([1])
-    assert not ch.changed and ro.active == [0]
+    assert ch == RosterChange((), ()) and ro.active == [0]
     with pytest.raises(ValueError):
         ro.on_failure([7])
 
@@ -75,7 +69,7 @@ def test_slots_reproduce_failure_free_ranges():
     ro = ReplicaRoster(active=[0, 1, 2, 3], spares=[4])
     before = plan_step(0, 8, [0, 1, 2, 3])
     ro.on_failure([1])
-    assert ro.slot_of(4) == 1 and ro.active_slots() == [0, 1, 2, 3]
+    assert ro.replica_in_slot(1) == 4 and ro.active_slots() == [0, 1, 2, 3]
     by_slot = plan_step(1, 8, ro.active_slots())
     by_replica = {ro.replica_in_slot(s): ix for s, ix in by_slot.items()}
     assert by_replica[4] == before[1]
@@ -100,10 +94,9 @@ def test_prop_roster(n_active, n_spare, rounds):
         # spares activated lowest id first, one per failed active replica while they last
         assert list(ch.activated) == live_spares[: len(ch.failed_active)]
         assert [d for _, d in ch.replacements] == list(ch.failed_active[: len(ch.replacements)])
-        assert len(ro.active) == width - ch.shrunk_by
-        assert ch.shrunk_by == max(0, len(ch.failed_active) - len(live_spares))
+        shrunk_by = max(0, len(ch.failed_active) - len(live_spares))
+        assert len(ro.active) == width - shrunk_by
         assert not set(ro.active) & set(ro.retired) and not set(ro.spares) & set(ro.retired)
         assert set(ro.active) | set(ro.spares) | set(ro.retired) == known
-        assert sorted(ro.active_slots()) == sorted({ro.slot_of(r) for r in ro.active})  # slots stay unique
-        if ch.donor is not None:
-            assert ch.donor in ro.active and ch.donor not in ch.activated
+        assert len(set(ro.active_slots())) == len(ro.active)  # slots stay unique
+        assert all(ro.replica_in_slot(s) in ro.active for s in ro.active_slots())

@@ -53,7 +53,3 @@ class NonBlockingP2P(P2P):
         while self.in_flight:
             work, _ = self.in_flight.pop(0)
             work.wait()
-
-    def drop_sends(self) -> None:
-        """Forget posted sends without waiting (after a failure: the peer may never receive them)."""
-        self.in_flight = []

@@ -19,33 +19,18 @@ class RosterChange:
     """What one :meth:`ReplicaRoster.on_failure` did.
 
     Attributes:
-        failed_active: active replicas that were lost (sorted).
-        failed_spares: idle spares that were lost (sorted); they just disappear.
+        failed_active: active replicas that were lost (sorted). Lost idle spares just disappear.
         replacements: ``(spare, failed_replica)`` pairs, in activation order: ``spare`` now does the work of
-            ``failed_replica`` and needs its model/optimizer state copied from ``donor``.
-        donor: a surviving, previously active replica (the lowest id) to copy state from; ``None`` when no
-            active replica survived. Replacements with no donor need a checkpoint (no live state exists).
-        active: active replicas after the change (sorted).
-        spares: remaining idle spares after the change (sorted).
-        shrunk_by: how many active slots were lost because no spare was left.
+            ``failed_replica`` and needs its model/optimizer state copied from a replica that computed the step.
     """
 
     failed_active: tuple[int, ...]
-    failed_spares: tuple[int, ...]
     replacements: tuple[tuple[int, int], ...]
-    donor: int | None
-    active: tuple[int, ...]
-    spares: tuple[int, ...]
-    shrunk_by: int
 
     @property
     def activated(self) -> tuple[int, ...]:
         """Spares that became active, in activation order."""
         return tuple(s for s, _ in self.replacements)
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.failed_active or self.failed_spares)
 
 
 @dataclass
@@ -59,7 +44,7 @@ class ReplicaRoster:
 
     active: list[int]
     spares: list[int] = field(default_factory=list)
-    retired: list[int] = field(default_factory=list)
+    retired: list[int] = field(default_factory=list, init=False)
     _slot: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,7 +57,6 @@ class ReplicaRoster:
             raise ValueError("replica ids must be >= 0")
         if not self.active:
             raise ValueError("need at least one active replica")
-        self.retired = sorted(self.retired)
         self._slot = {r: r for r in self.active}
 
     @property
@@ -102,27 +86,14 @@ class ReplicaRoster:
             self._slot[spare] = self._slot[dead]
         for dead in failed_active:
             self._slot.pop(dead, None)
-        donor = survivors[0] if survivors else None
         self.active = sorted(survivors + [s for s, _ in replacements])
         self.spares = spares
         self.retired = sorted(self.retired + failed_active + failed_spares)
-        return RosterChange(
-            failed_active=tuple(failed_active),
-            failed_spares=tuple(failed_spares),
-            replacements=tuple(replacements),
-            donor=donor,
-            active=tuple(self.active),
-            spares=tuple(self.spares),
-            shrunk_by=len(failed_active) - len(replacements),
-        )
+        return RosterChange(failed_active=tuple(failed_active), replacements=tuple(replacements))
 
     def below_minimum(self, min_replicas: int) -> bool:
         """Whether fewer than ``min_replicas`` replicas are active (the run should fall back to a checkpoint)."""
         return len(self.active) < min_replicas
-
-    def slot_of(self, replica: int) -> int:
-        """The original active id whose place ``replica`` holds (itself unless it is an activated spare)."""
-        return self._slot[replica]
 
     def active_slots(self) -> list[int]:
         """Slots of the active replicas, sorted; pass these to the planner to keep failure-free ranges."""

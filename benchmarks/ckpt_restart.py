@@ -22,11 +22,17 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import bench_lib as bl
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.config import ModelSize, add_size_args, make_config, n_processes, size_from_args  # noqa: E402
+from benchmarks.lib.report import command_line, machine_line, md_table, write_json  # noqa: E402
+from benchmarks.lib.timeline import Attempt, RunSummary, checkpoint_save_times, launch, summarize  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,12 @@ def run_ckpt_restart(
     checkpoint_interval: int,
     events: Sequence[FailureEvent],
     variant: str,
-    size: bl.ModelSize,
+    size: ModelSize,
     tp: int = 1,
     pp: int = 1,
     max_launches: int = 10,
     timeout_s: float = 900,
-) -> bl.RunSummary:
+) -> RunSummary:
     if variant not in ("A", "B"):
         raise ValueError(f"variant must be A or B, got {variant!r}")
     out_dir = Path(out_dir).resolve()
@@ -82,7 +88,7 @@ def run_ckpt_restart(
     M = dp * accumulation
     alive = list(range(dp))  # original replica ids still in the job (variant A)
     pending = sorted(events, key=lambda e: e.step)
-    attempts: list[bl.Attempt] = []
+    attempts: list[Attempt] = []
     failures: list[dict] = []
     while True:
         if len(attempts) >= max_launches:
@@ -91,15 +97,15 @@ def run_ckpt_restart(
         if M % len(cur):
             raise ValueError(f"variant A: M={M} is not divisible by {len(cur)} surviving replicas")
         index_of = {r: i for i, r in enumerate(cur)}
-        config = bl.make_config(
+        config = make_config(
             dp=len(cur), accumulation=M // len(cur), steps=steps, size=size, tp=tp, pp=pp,
             fault_tolerance={"enabled": False, "inject": inject_entries(pending, index_of)},
             checkpoint_interval=checkpoint_interval, checkpoints_path=str(ckpt_dir),
         )
         print(f"[{name}] launch {len(attempts) + 1}: dp={len(cur)} x accumulation={M // len(cur)} "
-              f"({bl.n_processes(config)} processes), pending failures: "
+              f"({n_processes(config)} processes), pending failures: "
               f"{[e.describe() for e in pending] or 'none'}", flush=True)
-        attempt = bl.launch(config, out_dir / f"launch{len(attempts) + 1}", timeout_s=timeout_s)
+        attempt = launch(config, out_dir / f"launch{len(attempts) + 1}", timeout_s=timeout_s)
         attempts.append(attempt)
         last = attempt.steps[-1]["step"] if attempt.steps else attempt.resumed_from
         print(f"[{name}]   exit {attempt.returncode} after {attempt.end_t - attempt.launch_t:.1f} s, "
@@ -117,19 +123,19 @@ def run_ckpt_restart(
                 alive = [r for r in alive if r not in e.replicas]
         failures.append({"step": min(e.step for e in fired), "replicas": [r for e in fired for r in e.replicas],
                          "kill_t": attempt.kills[0].t})
-    summary = bl.summarize(name, attempts, steps, tp * pp)
+    summary = summarize(name, attempts, steps, tp * pp)
     summary.extra.update(
         variant=variant,
         checkpoint_interval=checkpoint_interval,
         failures=_failure_breakdown(attempts, failures),
-        checkpoint_save_s=[t for a in attempts for t in bl.checkpoint_save_times(a, checkpoint_interval)],
+        checkpoint_save_s=[t for a in attempts for t in checkpoint_save_times(a, checkpoint_interval)],
         steps_executed=sum(len(a.steps) for a in attempts),
     )
     summary.extra["recomputed_steps"] = summary.extra["steps_executed"] - len(summary.trajectory)
     return summary
 
 
-def _failure_breakdown(attempts: list[bl.Attempt], failures: list[dict]) -> list[dict]:
+def _failure_breakdown(attempts: list[Attempt], failures: list[dict]) -> list[dict]:
     out = []
     for i, f in enumerate(failures):
         dead, nxt = attempts[i], attempts[i + 1]
@@ -167,11 +173,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--variant", choices=["A", "B", "both"], default="both")
     ap.add_argument("--out", default="runs/bench/ckpt_restart")
     ap.add_argument("--timeout-s", type=float, default=900)
-    bl.add_size_args(ap)
+    add_size_args(ap)
     args = ap.parse_args(argv)
     events = [FailureEvent.parse(f) for f in (args.fail or ["6:3"])]
     out = Path(args.out)
-    size = bl.size_from_args(args)
+    size = size_from_args(args)
     results = {}
     for v in (["A", "B"] if args.variant == "both" else [args.variant]):
         s = run_ckpt_restart(name=f"ckpt_restart_{v}", out_dir=out / f"variant_{v}", dp=args.dp,
@@ -179,9 +185,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              checkpoint_interval=args.checkpoint_interval, events=events, variant=v, size=size,
                              timeout_s=args.timeout_s)
         results[v] = s
-    data = {"command": bl.command_line(argv, "benchmarks/ckpt_restart.py"), "machine": bl.machine_line(),
+    data = {"command": command_line(argv, "benchmarks/ckpt_restart.py"), "machine": machine_line(),
             "model": size.describe(), "runs": {v: s.as_dict() for v, s in results.items()}}
-    bl.write_json(out / "ckpt_restart.json", data)
+    write_json(out / "ckpt_restart.json", data)
     md = [f"command: `{data['command']}`", f"machine: {data['machine']}", "",
           summary_table(list(results.values())), "", failure_table(list(results.values()))]
     (out / "ckpt_restart.md").write_text("\n".join(md) + "\n")
@@ -191,17 +197,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- report pieces
-def summary_table(runs: Sequence[bl.RunSummary]) -> str:
+def summary_table(runs: Sequence[RunSummary]) -> str:
     rows = []
     for r in runs:
         rows.append([r.name, r.final_step, len(r.attempts), round(r.wall_s, 1), round(r.process_seconds, 1),
                      r.committed_tokens, round(r.effective_throughput, 2), r.extra.get("recomputed_steps", 0),
                      r.final_loss])
-    return bl.md_table(["run", "final step", "launches", "wall s", "process-s", "committed tokens",
+    return md_table(["run", "final step", "launches", "wall s", "process-s", "committed tokens",
                         "eff. throughput (tok/s/process)", "recomputed steps", "final loss"], rows)
 
 
-def failure_table(runs: Sequence[bl.RunSummary]) -> str:
+def failure_table(runs: Sequence[RunSummary]) -> str:
     rows = []
     for r in runs:
         for f in r.extra.get("failures", []):
@@ -209,12 +215,12 @@ def failure_table(runs: Sequence[bl.RunSummary]) -> str:
                 rows.append([r.name, f["step"], ",".join(map(str, f["replicas"])), f["detect_teardown_s"],
                              f["relaunch_gap_s"], f["restart_s"], f["recomputed_steps"], f["recompute_s"],
                              f["total_s"]])
-    return bl.md_table(["run", "fail step", "replicas", "detect+teardown s", "relaunch gap s",
+    return md_table(["run", "fail step", "replicas", "detect+teardown s", "relaunch gap s",
                         "restart s (launch->1st step)", "recomputed steps", "recompute s",
                         "total s (kill->back at step-1)"], rows)
 
 
-def plot_runs(runs: Sequence[bl.RunSummary], path: Path, title: str = "") -> None:
+def plot_runs(runs: Sequence[RunSummary], path: Path, title: str = "") -> None:
     plot_curves({r.name: ({s: r.trajectory[s]["loss"] for s in r.trajectory}, r.progress) for r in runs}, path, title)
 
 

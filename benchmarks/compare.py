@@ -21,33 +21,41 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Sequence
 
-import bench_lib as bl
-from ckpt_restart import FailureEvent, failure_table, inject_entries, plot_runs, run_ckpt_restart
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.config import (  # noqa: E402
+    ModelSize, add_size_args, make_config, n_processes, ranks_per_replica, size_from_args,
+)
+from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
+from benchmarks.lib.timeline import RunSummary, launch, normal_step_times, summarize  # noqa: E402
+from benchmarks.ckpt_restart import FailureEvent, failure_table, inject_entries, plot_runs, run_ckpt_restart  # noqa: E402
 
 
-def run_single(name: str, out_dir: Path, config: dict, steps: int, timeout_s: float) -> bl.RunSummary:
+def run_single(name: str, out_dir: Path, config: dict, steps: int, timeout_s: float) -> RunSummary:
     out_dir = Path(out_dir).resolve()
     shutil.rmtree(out_dir, ignore_errors=True)
-    print(f"[{name}] launch: {bl.n_processes(config)} processes", flush=True)
-    attempt = bl.launch(config, out_dir, timeout_s=timeout_s)
+    print(f"[{name}] launch: {n_processes(config)} processes", flush=True)
+    attempt = launch(config, out_dir, timeout_s=timeout_s)
     last = attempt.steps[-1]["step"] if attempt.steps else 0
     print(f"[{name}]   exit {attempt.returncode} after {attempt.end_t - attempt.launch_t:.1f} s, last step {last}, "
           f"{len([e for e in attempt.events if e.get('event') == 'repair'])} repair event(s)", flush=True)
     if last < steps:
         raise RuntimeError(f"{name}: stopped at step {last} < {steps}:\n"
                            f"{(out_dir / 'output.log').read_text()[-4000:]}")
-    s = bl.summarize(name, [attempt], steps, bl.ranks_per_replica(config))
+    s = summarize(name, [attempt], steps, ranks_per_replica(config))
     s.extra["startup_s"] = (attempt.first_step_start - attempt.launch_t) if attempt.first_step_start else None
     return s
 
 
-def recover_failures(run: bl.RunSummary, events: Sequence[FailureEvent], checkpoint_interval: int | None) -> list[dict]:
+def recover_failures(run: RunSummary, events: Sequence[FailureEvent], checkpoint_interval: int | None) -> list[dict]:
     """Recovery time per failure of an in-place run (ReCoVer or shrinking batch).
 
-    detect: kill (the victim's ``[inject]`` timestamp) -> start of the first repair of that step (repair start =
+    detect: kill (the time in the victim's injector marker) -> start of the first repair of that step (repair start =
     the event's ``wall_time - total_ms``); it holds ULFM's failure notice latency plus the rank's own ``detect_ms``.
     repair: the repair events' ``total_ms`` (revoke + shrink + agree + rebuild). restore + orphan recompute: the
     failure step's ``step_time_s`` minus the median step time of up to 3 undisturbed steps before it, minus
@@ -70,7 +78,7 @@ def recover_failures(run: bl.RunSummary, events: Sequence[FailureEvent], checkpo
         repair_s = sum(e["total_ms"] for e in repairs) / 1000
         detect_s = (min(starts) - kill_t) if starts else float("nan")
         before = [s for s in steps if ev.step - 4 < s["step"] < ev.step]
-        normal = bl.median(bl.normal_step_times(before, skip_first=0, checkpoint_interval=checkpoint_interval)
+        normal = median(normal_step_times(before, skip_first=0, checkpoint_interval=checkpoint_interval)
                            or [s["step_time_s"] for s in before])
         fail_step = by_step[ev.step]["step_time_s"]
         overrun = fail_step - normal
@@ -93,7 +101,7 @@ def recover_failures(run: bl.RunSummary, events: Sequence[FailureEvent], checkpo
     return out
 
 
-def recover_failure_table(runs: Sequence[bl.RunSummary]) -> str:
+def recover_failure_table(runs: Sequence[RunSummary]) -> str:
     rows = []
     for r in runs:
         for f in r.extra.get("failures", []):
@@ -101,16 +109,16 @@ def recover_failure_table(runs: Sequence[bl.RunSummary]) -> str:
                 rows.append([r.name, f["step"], ",".join(map(str, f["replicas"])), f["detect_s"], f["repair_s"],
                              f["restore_recompute_s"], f["failure_step_time_s"], f["normal_step_time_s"],
                              f["total_s"]])
-    return bl.md_table(["run", "fail step", "replicas", "detect s", "repair s (revoke+shrink+agree+rebuild)",
+    return md_table(["run", "fail step", "replicas", "detect s", "repair s (revoke+shrink+agree+rebuild)",
                         "restore + orphan recompute s", "failure step s", "normal step s",
                         "total s (failure step - normal)"], rows)
 
 
-def overhead_of(ref: bl.RunSummary, ff: bl.RunSummary, checkpoint_interval: int | None) -> dict:
-    a = bl.normal_step_times(ref.attempts[0].steps, checkpoint_interval=checkpoint_interval)
-    b = bl.normal_step_times(ff.attempts[0].steps, checkpoint_interval=checkpoint_interval)
-    return {"stock_median_step_s": bl.median(a), "recover_median_step_s": bl.median(b),
-            "ratio": bl.median(b) / bl.median(a), "n_steps": [len(a), len(b)]}
+def overhead_of(ref: RunSummary, ff: RunSummary, checkpoint_interval: int | None) -> dict:
+    a = normal_step_times(ref.attempts[0].steps, checkpoint_interval=checkpoint_interval)
+    b = normal_step_times(ff.attempts[0].steps, checkpoint_interval=checkpoint_interval)
+    return {"stock_median_step_s": median(a), "recover_median_step_s": median(b),
+            "ratio": median(b) / median(a), "n_steps": [len(a), len(b)]}
 
 
 def run_comparison(
@@ -121,7 +129,7 @@ def run_comparison(
     steps: int,
     checkpoint_interval: int,
     events: Sequence[FailureEvent],
-    size: bl.ModelSize,
+    size: ModelSize,
     overhead_run: bool = True,
     timeout_s: float = 900,
 ) -> dict:
@@ -129,9 +137,9 @@ def run_comparison(
     out.mkdir(parents=True, exist_ok=True)
     K = checkpoint_interval
     inject = inject_entries(events, {r: r for r in range(dp)})
-    cfg = lambda ft: bl.make_config(dp=dp, accumulation=accumulation, steps=steps, size=size, fault_tolerance=ft,  # noqa: E731
+    cfg = lambda ft: make_config(dp=dp, accumulation=accumulation, steps=steps, size=size, fault_tolerance=ft,  # noqa: E731
                                     checkpoint_interval=100000)
-    runs: dict[str, bl.RunSummary] = {}
+    runs: dict[str, RunSummary] = {}
     runs["reference"] = run_single("reference", out / "reference", cfg(None), steps, timeout_s)
     if overhead_run:
         runs["recover_ff"] = run_single("recover_ff", out / "recover_ff", cfg({"enabled": True}), steps, timeout_s)
@@ -171,15 +179,15 @@ def run_comparison(
 
 
 def write_report(result: dict, out: Path, *, command: str, title: str, setup: str) -> str:
-    runs: dict[str, bl.RunSummary] = result["runs"]
+    runs: dict[str, RunSummary] = result["runs"]
     order = [n for n in ("reference", "recover_ff", "recover", "shrinking", "ckpt_restart_A", "ckpt_restart_B") if n in runs]
     h = result["headline"]
     data = {
-        "command": command, "machine": bl.machine_line(), "setup": setup, "headline": h,
+        "command": command, "machine": machine_line(), "setup": setup, "headline": h,
         "failures": [e.describe() for e in result["events"]],
         "runs": {n: runs[n].as_dict() for n in order},
     }
-    bl.write_json(out / "compare.json", data)
+    write_json(out / "compare.json", data)
     rows = []
     for n in order:
         r = runs[n]
@@ -187,12 +195,12 @@ def write_report(result: dict, out: Path, *, command: str, title: str, setup: st
         startup = (first.first_step_start - first.launch_t) if first.first_step_start else None
         rows.append([n, len(r.attempts), r.final_step, round(r.wall_s, 1), startup, round(r.process_seconds, 1),
                      r.committed_tokens, round(r.effective_throughput, 2),
-                     bl.median(bl.normal_step_times(r.attempts[0].steps)), r.final_loss,
+                     median(normal_step_times(r.attempts[0].steps)), r.final_loss,
                      r.extra.get("max_abs_loss_diff_vs_reference"), r.extra.get("recomputed_steps", 0),
                      round(r.process_seconds_after_first_startup, 1),
                      round(r.committed_tokens / r.process_seconds_after_first_startup, 2)
                      if r.process_seconds_after_first_startup else None])
-    table = bl.md_table(["run", "launches", "final step", "wall s", "startup s (launch->1st step)", "process-s",
+    table = md_table(["run", "launches", "final step", "wall s", "startup s (launch->1st step)", "process-s",
                          "committed tokens",
                          "eff. throughput tok/s/process", "median step s (1st job)", "final loss",
                          "max |loss - reference|", "recomputed steps", "process-s after 1st startup",
@@ -208,7 +216,7 @@ def write_report(result: dict, out: Path, *, command: str, title: str, setup: st
         "Recovery per failure, checkpoint-restart:", "",
         failure_table([runs[n] for n in ("ckpt_restart_A", "ckpt_restart_B")]), "",
         "Checkpoint save time per checkpoint (s, median): "
-        + ", ".join(f"{n} {bl.median(runs[n].extra.get('checkpoint_save_s', [])):.3f}"
+        + ", ".join(f"{n} {median(runs[n].extra.get('checkpoint_save_s', [])):.3f}"
                     for n in ("ckpt_restart_A", "ckpt_restart_B")), "",
         f"Headline vs {h['baseline']} (the checkpoint-restart variant with the higher effective throughput): "
         f"effective throughput ratio {h['recover_vs_ckpt_restart_effective_throughput']:.3f}; at "
@@ -242,7 +250,7 @@ def add_common_args(ap: argparse.ArgumentParser, *, dp: int, accumulation: int, 
     ap.set_defaults(default_fail=fail)
 
 
-def setup_line(args, size: bl.ModelSize) -> str:
+def setup_line(args, size: ModelSize) -> str:
     M = args.dp * args.accumulation
     return (f"{args.dp} replicas x TP1 x PP1 ({args.dp} processes), M = {M} microbatches/step "
             f"({M * size.micro_batch * size.seq} tokens), {args.steps} steps, checkpoint every "
@@ -252,14 +260,14 @@ def setup_line(args, size: bl.ModelSize) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, dp=4, accumulation=2, steps=12, interval=4, fail=["6:3"], out="runs/bench/compare")
-    bl.add_size_args(ap)
+    add_size_args(ap)
     args = ap.parse_args(argv)
-    size = bl.size_from_args(args)
+    size = size_from_args(args)
     events = [FailureEvent.parse(f) for f in (args.fail or args.default_fail)]
     result = run_comparison(out=Path(args.out), dp=args.dp, accumulation=args.accumulation, steps=args.steps,
                             checkpoint_interval=args.checkpoint_interval, events=events, size=size,
                             overhead_run=not args.no_overhead_run, timeout_s=args.timeout_s)
-    md = write_report(result, Path(args.out), command=bl.command_line(argv, "benchmarks/compare.py"),
+    md = write_report(result, Path(args.out), command=command_line(argv, "benchmarks/compare.py"),
                       title="compare", setup=setup_line(args, size))
     print(md)
     return result

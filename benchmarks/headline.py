@@ -24,12 +24,17 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Sequence
 
-import bench_lib as bl
-from ckpt_restart import FailureEvent
-from compare import add_common_args, run_comparison, setup_line, write_report
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.config import add_size_args, size_from_args  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
+from benchmarks.ckpt_restart import FailureEvent  # noqa: E402
+from benchmarks.compare import add_common_args, run_comparison, setup_line, write_report  # noqa: E402
 
 DEFAULT_SIZE = dict(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=128)
 
@@ -38,19 +43,19 @@ def main(argv: Sequence[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, dp=8, accumulation=3, steps=48, interval=12, fail=["19:7,6", "41:5,4"],
                     out="runs/bench/headline")
-    bl.add_size_args(ap)
+    add_size_args(ap)
     ap.set_defaults(**DEFAULT_SIZE)
     args = ap.parse_args(argv)
     if args.no_overhead_run:
         ap.error("the headline line needs the overhead run")
-    size = bl.size_from_args(args)
+    size = size_from_args(args)
     events = [FailureEvent.parse(f) for f in (args.fail or args.default_fail)]
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     result = run_comparison(out=out, dp=args.dp, accumulation=args.accumulation, steps=args.steps,
                             checkpoint_interval=args.checkpoint_interval, events=events, size=size,
                             overhead_run=True, timeout_s=args.timeout_s)
-    md = write_report(result, out, command=bl.command_line(argv, "benchmarks/headline.py"), title="headline",
+    md = write_report(result, out, command=command_line(argv, "benchmarks/headline.py"), title="headline",
                       setup=setup_line(args, size))
     for name in ("compare.json", "compare.md", "compare.png"):
         (out / name).replace(out / name.replace("compare", "headline"))

@@ -23,10 +23,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 from typing import Sequence
 
-import bench_lib as bl
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.config import add_size_args, make_config, ranks_per_replica, size_from_args  # noqa: E402
+from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
+from benchmarks.lib.timeline import launch, normal_step_times, summarize  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -38,10 +44,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--fail-step", type=int, default=None, help="step at which replica 1 dies (default: steps/2)")
     ap.add_argument("--out", default="runs/bench/hsdp_vs_3d")
     ap.add_argument("--timeout-s", type=float, default=900)
-    bl.add_size_args(ap)
+    add_size_args(ap)
     ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
     args = ap.parse_args(argv)
-    size = bl.size_from_args(args)
+    size = size_from_args(args)
     if size.micro_batch % args.shards:
         ap.error(f"--micro-batch {size.micro_batch} must be divisible by --shards {args.shards}")
     fail_step = args.fail_step or max(1, args.steps // 2)
@@ -51,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def config(tp: int, **replica) -> dict:
         inject = [{"step": fail_step, "replica": 1, "rank": 0, "phase": "backward"}] if args.dp > 1 else []
         ft = {"enabled": True, "inject": inject, **replica}
-        return bl.make_config(dp=args.dp, tp=tp, accumulation=args.accumulation, steps=args.steps, size=size,
+        return make_config(dp=args.dp, tp=tp, accumulation=args.accumulation, steps=args.steps, size=size,
                               fault_tolerance=ft)
 
     layouts = {
@@ -62,21 +68,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     results: dict[str, dict] = {}
     losses: dict[str, list[float]] = {}
     for name, cfg in layouts.items():
-        attempt = bl.launch(cfg, out / name, timeout_s=args.timeout_s)
+        attempt = launch(cfg, out / name, timeout_s=args.timeout_s)
         if attempt.returncode != 0 or not attempt.steps or attempt.steps[-1]["step"] != args.steps:
             log = (Path(attempt.run_dir) / "output.log").read_text()[-3000:]
             raise RuntimeError(f"{name} stopped early (exit {attempt.returncode}):\n{log}")
-        summary = bl.summarize(name, [attempt], args.steps, bl.ranks_per_replica(cfg))
+        summary = summarize(name, [attempt], args.steps, ranks_per_replica(cfg))
         before_kill = [s for s in attempt.steps if s["step"] < fail_step]
         steady = attempt.steps[2:]
-        step_process_s = sum(s["step_time_s"] * s["live_replicas"] * bl.ranks_per_replica(cfg) for s in steady)
+        step_process_s = sum(s["step_time_s"] * s["live_replicas"] * ranks_per_replica(cfg) for s in steady)
         losses[name] = [summary.trajectory[s]["loss"] for s in sorted(summary.trajectory)]
         results[name] = {
             "processes": attempt.n_procs,
             "effective_throughput": summary.effective_throughput,
             "step_throughput": sum(s["tokens"] for s in steady) / step_process_s,
             "tokens_per_wall_s": summary.committed_tokens / summary.wall_s,
-            "median_step_s": bl.median(bl.normal_step_times(before_kill)),
+            "median_step_s": median(normal_step_times(before_kill)),
             "committed_tokens": summary.committed_tokens,
             "wall_s": summary.wall_s,
             "process_seconds": summary.process_seconds,
@@ -91,17 +97,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ratio = results["hsdp"]["effective_throughput"] / results["3d"]["effective_throughput"]
     ratio_tp2 = results["hsdp"]["effective_throughput"] / results["3d-tp2"]["effective_throughput"]
     ratio_steps = results["hsdp"]["step_throughput"] / results["3d"]["step_throughput"]
-    command = bl.command_line(argv, "benchmarks/hsdp_vs_3d.py")
+    command = command_line(argv, "benchmarks/hsdp_vs_3d.py")
     setup = (f"{args.dp} replicas, M = {args.dp * args.accumulation} microbatches/step, {args.steps} steps, "
              f"{size.describe()}, synthetic data, replica 1 killed at step {fail_step} (backward)")
-    data = {"command": command, "machine": bl.machine_line(), "setup": setup, "results": results,
+    data = {"command": command, "machine": machine_line(), "setup": setup, "results": results,
             "hsdp_vs_3d": ratio, "hsdp_vs_3d_tp2": ratio_tp2, "hsdp_vs_3d_step_throughput": ratio_steps}
-    bl.write_json(out / "hsdp_vs_3d.json", data)
+    write_json(out / "hsdp_vs_3d.json", data)
     rows = [[name, r["processes"], r["effective_throughput"], r["step_throughput"], r["tokens_per_wall_s"],
              r["median_step_s"] * 1000, r["final_loss"], r["max_loss_diff_vs_3d"]] for name, r in results.items()]
     md = "\n".join([
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
-        bl.md_table(["layout", "processes", "effective throughput (tokens/process-s)",
+        md_table(["layout", "processes", "effective throughput (tokens/process-s)",
                      "step throughput (tokens/process-s in steps)", "tokens/wall-s",
                      "median step before the kill (ms)", "final loss", "max abs loss diff vs 3d"], rows), "",
         f"HSDP / 3D effective throughput = {ratio:.3f}; HSDP / 3D-TP2 = {ratio_tp2:.3f}; "

@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 from typing import Sequence
 
-import bench_lib as bl
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.config import add_size_args, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
+from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -31,15 +37,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="runs per path")
     ap.add_argument("--out", default="runs/bench/overhead")
     ap.add_argument("--timeout-s", type=float, default=900)
-    bl.add_size_args(ap)
+    add_size_args(ap)
     ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
     args = ap.parse_args(argv)
-    size = bl.size_from_args(args)
+    size = size_from_args(args)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
 
     def config(ft: dict | None) -> dict:
-        return bl.make_config(dp=args.dp, tp=args.tp, pp=args.pp, accumulation=args.accumulation, steps=args.steps,
+        return make_config(dp=args.dp, tp=args.tp, pp=args.pp, accumulation=args.accumulation, steps=args.steps,
                               size=size, fault_tolerance=ft)
 
     paths = {"stock": None, "recover": {"enabled": True}}
@@ -48,28 +54,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
         order += ["stock", "recover"] if i % 2 == 0 else ["recover", "stock"]
     per_run: dict[str, list[dict]] = {"stock": [], "recover": []}
     for k, name in enumerate(order):
-        a = bl.launch(config(paths[name]), out / f"{k:02d}_{name}", timeout_s=args.timeout_s)
-        times = bl.normal_step_times(a.steps)
+        a = launch(config(paths[name]), out / f"{k:02d}_{name}", timeout_s=args.timeout_s)
+        times = normal_step_times(a.steps)
         if not a.steps or a.steps[-1]["step"] < args.steps:
             raise RuntimeError(f"{name} run {k} stopped early:\n{(Path(a.run_dir) / 'output.log').read_text()[-3000:]}")
-        per_run[name].append({"median_step_s": bl.median(times), "n_steps": len(times), "load_avg_1min": a.load_avg_1min,
+        per_run[name].append({"median_step_s": median(times), "n_steps": len(times), "load_avg_1min": a.load_avg_1min,
                               "wall_s": a.end_t - a.launch_t, "step_times": [s["step_time_s"] for s in a.steps]})
-        print(f"[overhead] run {k + 1}/{len(order)} {name}: median step {bl.median(times) * 1000:.2f} ms "
+        print(f"[overhead] run {k + 1}/{len(order)} {name}: median step {median(times) * 1000:.2f} ms "
               f"(load {a.load_avg_1min:.1f})", flush=True)
-    med = {n: bl.median(r["median_step_s"] for r in runs) for n, runs in per_run.items()}
+    med = {n: median(r["median_step_s"] for r in runs) for n, runs in per_run.items()}
     ratio = med["recover"] / med["stock"]
-    command = bl.command_line(argv, "benchmarks/overhead.py")
+    command = command_line(argv, "benchmarks/overhead.py")
     M = args.dp * args.accumulation
     setup = (f"{args.dp} replicas x TP{args.tp} x PP{args.pp}, M = {M} microbatches/step, {args.steps} steps, "
              f"{size.describe()}, synthetic data, no failures, no checkpoints")
-    data = {"command": command, "machine": bl.machine_line(), "setup": setup, "median_step_s": med, "ratio": ratio,
+    data = {"command": command, "machine": machine_line(), "setup": setup, "median_step_s": med, "ratio": ratio,
             "order": order, "runs": per_run}
-    bl.write_json(out / "overhead.json", data)
+    write_json(out / "overhead.json", data)
     rows = [[n, len(per_run[n]), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in per_run[n]), med[n] * 1000]
             for n in ("stock", "recover")]
     md = "\n".join([
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
-        bl.md_table(["path", "runs", "per-run median step (ms)", "median (ms)"], rows), "",
+        md_table(["path", "runs", "per-run median step (ms)", "median (ms)"], rows), "",
         f"ratio ReCoVer / stock = {ratio:.3f}",
     ]) + "\n"
     (out / "overhead.md").write_text(md)

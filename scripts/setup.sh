@@ -18,10 +18,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     quiet "${PIP[@]}" torch==2.13.0
   fi
 fi
-if ! .venv/bin/python -c "import nanotron_recover, pytest, hypothesis" 2>/dev/null; then
+if ! .venv/bin/python -c "import nanotron_recover, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
   echo "[setup] installing nanotron-recover and its dependencies"
   quiet "${PIP[@]}" -e ".[test]"
-  .venv/bin/python -c "import nanotron_recover, mpi4py, datatrove, wandb, pytest, hypothesis" \
+  .venv/bin/python -c "import nanotron_recover, mpi4py, datatrove, wandb, pytest, pytest_timeout, hypothesis" \
     || { echo "[setup] install failed" >&2; exit 1; }
 fi
 .venv/bin/python -c "import torch, nanotron_recover; print(f'[setup] ok: torch {torch.__version__}, nanotron-recover {nanotron_recover.__version__}')"

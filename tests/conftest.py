@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Llama config as a dict, to derive each multi-process run from."""
+"""Shared fixtures: a tiny Llama config as a dict, to derive each multi-process run from; the ``slow`` marker
+for the multi-process modules that do not carry their own ``pytestmark``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import pytest
 import yaml
 
 STOCK = Path(__file__).parent / "fixtures" / "stock_nanotron.yaml"
+# every test of these modules launches real mpirun jobs (each with its own hard timeout)
+SLOW_MODULES = ("ft/test_ft_integ.py", "ft/test_training_faults.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here) and item.path.relative_to(here).as_posix() in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 def make_tiny_config(

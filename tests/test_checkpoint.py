@@ -16,6 +16,8 @@ STEPS, SAVE_AT = 8, 4
 TIMEOUT_S = 300
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
 @pytest.mark.parametrize("ft", [{"enabled": True}, None], ids=["recover", "stock"])
 def test_resume_reproduces_the_uninterrupted_run(ft, tiny_config, tmp_path):
     config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)

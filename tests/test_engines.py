@@ -3,17 +3,14 @@ its AFAB fallback at PP4, every split of M microbatches giving the same gradient
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("llama_harness", Path(__file__).parent / "models" / "llama_harness.py")
-H = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("llama_harness", H)
-_spec.loader.exec_module(H)
+from tests.models import llama_harness as H
+
+TIMEOUT_S = 240
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 
 TOL = 1e-6
 CHECKS = (
@@ -30,7 +27,7 @@ CHECKS = (
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> list:
     out = tmp_path_factory.mktemp("engines") / "engines.json"
-    H.run_script("engines_worker.py", [str(out)], n_procs=4, timeout_s=240)
+    H.run_module("tests.models.engines_worker", [str(out)], n_procs=4, timeout_s=TIMEOUT_S)
     return json.loads(out.read_text())
 
 

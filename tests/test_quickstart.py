@@ -10,19 +10,22 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from nanotron_recover.metrics import find_wandb_run_files, read_wandb_history
 from nanotron_recover.runs import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 
 
 def test_readme_main_job_learns_and_survives_its_failure(tmp_path):
     run_dir = tmp_path / "tiny_llama"
     env = {**os.environ, "RUN_DIR": str(run_dir)}
     proc = subprocess.run(
-        ["bash", "scripts/quickstart.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        ["bash", "scripts/quickstart.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from nanotron_recover.runs import run_training
+from tests.conftest import make_tiny_config
 
 STEPS = 10
 TOL = 1e-5
 TIMEOUT_S = 300
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * TIMEOUT_S + 60)]  # the reference run + one run
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, no parallelism: M = 4 microbatches accumulated."""
-    from conftest import make_tiny_config
-
     config = make_tiny_config(dp=1, accumulation=4, steps=STEPS)
     result = run_training(config, tmp_path_factory.mktemp("ref"), timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     assert [s["step"] for s in result.steps] == list(range(1, STEPS + 1)), result.output[-3000:]

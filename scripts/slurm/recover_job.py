@@ -21,29 +21,20 @@ return 0 although ranks were SIGKILLed.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
-EXIT_DONE, EXIT_BAD_INPUT, EXIT_RESTART = 0, 2, 3
+# light modules only (no torch, no nanotron): this runs between two mpirun jobs
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.metrics import read_metrics_jsonl
 
 
 def last_logged_step(run_dir: Path) -> int:
-    """The highest ``step`` of a per-step record in ``<run_dir>/metrics.jsonl`` (0 if none)."""
-    path = run_dir / "metrics.jsonl"
-    best = 0
-    if not path.is_file():
-        return best
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if isinstance(record, dict) and "event" not in record and "step" in record:
-            best = max(best, int(record["step"]))
-    return best
+    """The highest ``step`` of a per-step record in ``<run_dir>/metrics.jsonl`` (0 if none; a torn line is skipped)."""
+    steps = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    return max(steps, default=0)
 
 
 def latest_checkpoint_step(run_dir: Path, checkpoints_path: str) -> int | None:

@@ -40,6 +40,12 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def _scalar(value: Any) -> float | int | bool | str | None:
     """A value wandb can chart, or None to leave it out of wandb (it stays in the JSONL)."""
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
@@ -76,6 +82,8 @@ class MetricsLogger:
         if enabled and not self.enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
+            if self._file.tell() > 0 and not _ends_with_newline(self.path):
+                self._file.write("\n")  # the previous logger died mid-line: keep its torn line off our first record
             self.enabled = True
         elif not enabled and self.enabled:
             self.close()
@@ -243,16 +251,25 @@ class MetricsLogger:
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl`` (a run folder or the file itself); a torn last line is skipped."""
+    """All records of a ``metrics.jsonl`` (a run folder or the file itself), in file order; ``[]`` if none.
+
+    The one reader of the file (tests, benchmarks, the Slurm helper read through it). A line cut short by a
+    SIGKILL of the logging process (the last line, or a line the next logging process appended after) does not
+    parse and is skipped, as is anything that is not a JSON object.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
+    if not path.is_file():
+        return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 

@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from nanotron_recover.metrics import read_metrics_jsonl
+
 
 @dataclass
 class RunResult:
@@ -36,20 +38,49 @@ class RunResult:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """Per-step records (deduplicated by step, last wins) and events from ``metrics.jsonl``."""
-    path = Path(run_dir) / "metrics.jsonl"
+    """Per-step records (deduplicated by step, last wins) and events from ``metrics.jsonl``
+    (read by :func:`nanotron_recover.metrics.read_metrics_jsonl`: a torn line is skipped)."""
     steps: dict[int, dict] = {}
     events: list[dict] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "event" in record:
-                events.append(record)
-            elif "step" in record:
-                steps[int(record["step"])] = record
+    for record in read_metrics_jsonl(run_dir):
+        if "event" in record:
+            events.append(record)
+        elif "step" in record:
+            steps[int(record["step"])] = record
     return [steps[k] for k in sorted(steps)], events
+
+
+# where the trainer's FailureInjector leaves one marker file per fired schedule entry (trainer.py: ``fired_dir``)
+INJECTED_DIR = "injected"
+# inject.py's marker name; fields after the phase (e.g. a signal) are allowed and ignored
+_MARKER = re.compile(r"step(\d+)-replica(\d+)-rank(\d+)-([a-z_]+)(?:-.*)?")
+
+
+def read_kills(run_dir: Path) -> list[dict[str, Any]]:
+    """The injected failures that fired in ``run_dir``, oldest first: ``{"step", "replica", "rank", "phase",
+    "time"}`` from the injector's markers ``injected/step{s}-replica{r}-rank{k}-{phase}[-...]``.
+
+    ``time`` is the unix time written into the marker just before the SIGKILL (``None`` if unreadable); a file
+    whose name does not parse is skipped.
+    """
+    folder = Path(run_dir) / INJECTED_DIR
+    kills = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        m = _MARKER.fullmatch(path.name)
+        if m is None:
+            continue
+        try:
+            t: float | None = float(path.read_text().strip())
+        except (OSError, ValueError):
+            t = None
+        kills.append({"step": int(m[1]), "replica": int(m[2]), "rank": int(m[3]), "phase": m[4], "time": t})
+    return sorted(kills, key=lambda k: (k["time"] is None, k["time"] or 0.0, k["step"]))
+
+
+def resumed_from(steps: Sequence[dict[str, Any]]) -> int:
+    """The checkpoint step a job resumed from, read from the step records it logged (oldest first): one less than
+    its first step (0 for a job that started fresh or logged none)."""
+    return int(steps[0]["step"]) - 1 if steps else 0
 
 
 def read_exits(run_dir: Path) -> dict[int, dict]:

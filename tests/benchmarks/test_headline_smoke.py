@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 380
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 LINE = re.compile(
     r"^recover_vs_ckpt_restart_effective_throughput=(\S+) tokens_ratio_at_equal_process_seconds=(\S+) overhead=(\S+)$"
 )
@@ -23,7 +27,7 @@ def test_headline_minimal(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "headline.py"), "--dp", "2", "--accumulation", "1",
            "--steps", "4", "--checkpoint-interval", "2", "--fail", "3:1", "--hidden", "32", "--intermediate", "64",
            "--seq", "16", "--out", str(tmp_path / "headline")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=380, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = LINE.match(last)

@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 LINE = re.compile(
     r"^hsdp_vs_3d_effective_throughput=(\S+) hsdp_vs_3d_tp2_effective_throughput=(\S+) hsdp_vs_3d_step_throughput=(\S+)$"
 )
@@ -23,7 +27,7 @@ def test_hsdp_vs_3d_minimal(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "hsdp_vs_3d.py"), "--dp", "2", "--accumulation", "1",
            "--steps", "4", "--fail-step", "3", "--hidden", "32", "--intermediate", "64", "--seq", "16",
            "--out", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = LINE.match(last)

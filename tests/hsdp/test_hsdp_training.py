@@ -24,12 +24,15 @@ from nanotron_recover.runs import (
     read_exits,
     run_training,
 )
+from tests.conftest import make_tiny_config
 
 STEPS = 30
 SHORT = 10
 TIMEOUT_S = 300
 TOL = 1e-5
 SYNTHETIC = ["--synthetic-data"]
+# each test waits for at most its module reference run and one run of its own
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * TIMEOUT_S + 60)]
 
 
 def hsdp_config(tiny_config, *, dp: int, steps: int = STEPS, inject: list[dict] = (), interval: int | None = None,
@@ -43,8 +46,6 @@ def hsdp_config(tiny_config, *, dp: int, steps: int = STEPS, inject: list[dict] 
 
 @pytest.fixture(scope="module")
 def hsdp_reference(tmp_path_factory):
-    from conftest import make_tiny_config
-
     return run_training(hsdp_config(make_tiny_config, dp=3), tmp_path_factory.mktemp("hsdp-ref"),
                         timeout_s=TIMEOUT_S, extra_args=SYNTHETIC)
 
@@ -82,8 +83,6 @@ def test_hsdp_survives_a_backward_and_a_reduce_kill(hsdp_reference, tiny_config,
 
 @pytest.fixture(scope="module")
 def two_replica_reference(tmp_path_factory):
-    from conftest import make_tiny_config
-
     config = hsdp_config(make_tiny_config, dp=2, steps=SHORT, interval=5)
     return run_training(config, tmp_path_factory.mktemp("hsdp2-ref"), timeout_s=TIMEOUT_S, extra_args=SYNTHETIC)
 

@@ -18,7 +18,7 @@ import json
 import sys
 from typing import Dict, List, Optional
 
-import llama_harness as H  # noqa: E402  (imports nanotron_compat first)
+from tests.models import llama_harness as H  # isort: skip  (first: it imports nanotron_compat)
 import torch
 import torch.distributed as torch_dist
 

@@ -1,6 +1,6 @@
 """Shared by the multi-rank Llama/engine tests: torch world setup from mpirun env, a tiny config, deterministic
-data, and a launcher with a hard timeout. Plain module (tests/ is not a package): workers import it from their own
-directory; pytest files load it by path."""
+data, and a launcher with a hard timeout. Imported as ``tests.models.llama_harness`` by the tests and by their
+workers, which run as modules (``python -m tests.models.llama_worker``) from the repository root."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from nanotron.config import LlamaConfig, ParallelismArgs
 from nanotron_recover import devices
 from nanotron_recover.mpirun import mpirun_command
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: ``tests`` is importable from here
 MBS, SEQ, VOCAB = 2, 16, 256
 
 
@@ -77,17 +77,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_script(
-    script: str, args: Sequence[str], n_procs: Optional[int], timeout_s: float = 240.0
+def run_module(
+    module: str, args: Sequence[str], n_procs: Optional[int], timeout_s: float = 240.0
 ) -> subprocess.CompletedProcess:
-    """Run ``tests/models/<script>`` on ``n_procs`` ranks via mpirun (None: one plain process), hard timeout."""
-    program: List[str] = [sys.executable, "-u", str(HERE / script), *args]
+    """Run ``python -m module`` (e.g. ``tests.models.llama_worker``) from the repository root on ``n_procs`` ranks
+    via mpirun (None: one plain process), hard timeout."""
+    program: List[str] = [sys.executable, "-u", "-m", module, *args]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     if n_procs is None:
         cmd, full_env = program, {**os.environ, **env, "RANK": "0", "WORLD_SIZE": "1"}
     else:
         cmd, full_env = mpirun_command(n_procs, program, ulfm=False, env=env), dict(os.environ)
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     if proc.returncode != 0:
-        raise AssertionError(f"{script} rc={proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{module} rc={proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return proc

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Dict, List, Tuple
 
-import llama_harness as H  # noqa: E402  (imports nanotron_compat first)
+from tests.models import llama_harness as H  # isort: skip  (first: it imports nanotron_compat)
 import torch
 import torch.distributed as torch_dist
 from nanotron import distributed as dist

@@ -4,15 +4,14 @@ single process: per-step losses, every gradient shard and the final weights agre
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama_harness as H  # noqa: E402
+from tests.models import llama_harness as H
 
 TOL = 1e-5
+REFERENCE_TIMEOUT_S, PARALLEL_TIMEOUT_S = 120, 240
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(REFERENCE_TIMEOUT_S + PARALLEL_TIMEOUT_S + 60)]
 SCENARIOS = ("tp2pp2_afab", "tp2pp2_1f1b_tied", "tp2dp2_reduce_scatter")
 
 
@@ -20,8 +19,8 @@ SCENARIOS = ("tp2pp2_afab", "tp2pp2_1f1b_tied", "tp2dp2_reduce_scatter")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("llama")
     ref, out = tmp / "ref.pt", tmp / "parallel.json"
-    H.run_script("llama_worker.py", ["reference", str(ref)], n_procs=None, timeout_s=120)
-    H.run_script("llama_worker.py", ["parallel", str(ref), str(out)], n_procs=4, timeout_s=240)
+    H.run_module("tests.models.llama_worker", ["reference", str(ref)], n_procs=None, timeout_s=REFERENCE_TIMEOUT_S)
+    H.run_module("tests.models.llama_worker", ["parallel", str(ref), str(out)], n_procs=4, timeout_s=PARALLEL_TIMEOUT_S)
     data = json.loads(out.read_text())
     import torch
 

@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-import llama_harness as H  # noqa: E402  (imports nanotron_compat first)
-import torch  # noqa: E402
-import torch.distributed as torch_dist  # noqa: E402
-from nanotron import distributed as dist  # noqa: E402
+from tests.models import llama_harness as H  # isort: skip  (first: it imports nanotron_compat)
+import torch
+import torch.distributed as torch_dist
+from nanotron import distributed as dist
 
-from nanotron_recover.nanotron_compat.p2p import NonBlockingP2P  # noqa: E402
-from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext  # noqa: E402
+from nanotron_recover.nanotron_compat.p2p import NonBlockingP2P
+from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 
 
 def ranks(pg) -> list[int]:

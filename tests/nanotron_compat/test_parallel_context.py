@@ -3,26 +3,20 @@ short timeout on its groups, and NonBlockingP2P surviving two peers sending to e
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "llama_harness", Path(__file__).resolve().parents[1] / "models" / "llama_harness.py"
-)
-H = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("llama_harness", H)
-_spec.loader.exec_module(H)
+from tests.models import llama_harness as H
+
+TIMEOUT_S = 180
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> list:
     out = tmp_path_factory.mktemp("ctx") / "ctx.json"
-    worker = Path(__file__).resolve().parent / "context_worker.py"
-    H.run_script(str(worker), [str(out)], n_procs=4, timeout_s=180)
+    H.run_module("tests.nanotron_compat.context_worker", [str(out)], n_procs=4, timeout_s=TIMEOUT_S)
     return json.loads(out.read_text())
 
 

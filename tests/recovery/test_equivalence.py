@@ -8,7 +8,6 @@ the stock nanotron path, and the noise floor (4 replicas vs 2 replicas with doub
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 from pathlib import Path
 
@@ -24,27 +23,19 @@ from nanotron_recover.runs import (
     read_metrics,
     run_training,
 )
+from benchmarks import equivalence
+from tests.conftest import make_tiny_config
 
 STEPS = 40
 TOL = 1e-5
 TIMEOUT_S = 600
+# a test run alone waits for the two module fixtures (three runs) and up to two runs of its own
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5 * TIMEOUT_S + 60)]
 SCHEDULE = [
     {"step": 10, "replica": 1, "rank": 0, "phase": "backward"},
     {"step": 25, "replica": 2, "rank": 1, "phase": "reduce"},
 ]
-REPO = Path(__file__).resolve().parents[2]
-
-
-def equivalence_script():
-    spec = importlib.util.spec_from_file_location("equivalence", REPO / "benchmarks" / "equivalence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def base_config(*, tp: int = 2, pp: int = 1, engine: str = "afab", spares: int = 0) -> dict:
-    from conftest import make_tiny_config
-
     config = make_tiny_config(
         dp=4, tp=tp, pp=pp, engine=engine, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=STEPS,
         fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "spare_replicas": spares, "inject": SCHEDULE},
@@ -64,14 +55,13 @@ def main_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("equivalence")
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(base_config()))
-    script = equivalence_script()
     import contextlib
     import io
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        assert script.main(["--config-file", str(config_path), "--out", str(out), "--synthetic-data",
-                            "--timeout", str(TIMEOUT_S)]) == 0
+        assert equivalence.main(["--config-file", str(config_path), "--out", str(out), "--synthetic-data",
+                                 "--timeout", str(TIMEOUT_S)]) == 0
     last = buffer.getvalue().strip().splitlines()[-1]
     return last, loaded(out / "reference"), loaded(out / "with_failures")
 
@@ -80,8 +70,7 @@ def main_comparison(tmp_path_factory):
 def noise_floor(main_comparison, tmp_path_factory) -> float:
     """Failure-free 4 replicas vs failure-free 2 replicas with doubled quotas: the summation-order noise."""
     _, reference, _ = main_comparison
-    script = equivalence_script()
-    two = script.reference_config(base_config(), "recover", reference_dp=2)
+    two = equivalence.reference_config(base_config(), "recover", reference_dp=2)
     result = run_training(two, tmp_path_factory.mktemp("two_replicas"), timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     floor = max_loss_diff(reference, result)
     print(f"\nnoise floor (4 vs 2 replicas, failure-free): max_abs_loss_diff={floor:.3e}")
@@ -135,8 +124,7 @@ def test_pp2_with_1f1b_keeps_the_trajectory(tmp_path, noise_floor):
 
 def test_failure_run_matches_the_stock_nanotron_path(main_comparison, noise_floor, tmp_path):
     _, _, failed = main_comparison
-    script = equivalence_script()
-    stock = script.reference_config(base_config(), "stock", reference_dp=None)
+    stock = equivalence.reference_config(base_config(), "stock", reference_dp=None)
     reference = run_training(stock, tmp_path, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     assert not reference.events, "the stock path has no repairs"
     assert max_loss_diff(reference, failed) <= bar(noise_floor)

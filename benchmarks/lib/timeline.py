@@ -1,9 +1,9 @@
-"""Shared helpers of the baseline benchmarks: configs, launching (with relaunch bookkeeping), and the
-accounting every comparison uses (wall time, process-seconds, committed tokens, recovery breakdowns).
+"""Benchmark timelines: launching one job and reading back what it wrote, and the accounting every comparison
+uses (wall time, process-seconds, committed tokens, the progress curve).
 
 Everything here is measured from what a run wrote: ``metrics.jsonl`` (every record carries ``time``, the wall
-clock when it was written), the ``[inject] KILL ... t=<time>`` line a failing rank prints just before its
-SIGKILL, and the driver's own launch / exit timestamps. Nothing is modelled or assumed.
+clock when it was written), the failure injector's markers (``<run_dir>/injected/``, each holding the time a rank
+wrote it just before its SIGKILL), and the driver's own launch / exit timestamps. Nothing is modelled or assumed.
 
 Definitions (also in benchmarks/RESULTS.md):
 
@@ -19,187 +19,17 @@ Definitions (also in benchmarks/RESULTS.md):
 
 from __future__ import annotations
 
-import copy
-import json
-import math
-import re
-import statistics
-import sys
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from nanotron_recover.runs import read_kills, resumed_from, run_training
 
-KILL_RE = re.compile(r"\[inject\] KILL replica (\d+) local rank (\d+) pid \d+ at step (\d+) phase (\w+) t=([\d.]+)")
-RESUME_RE = re.compile(r"resumed from .* at step (\d+)")
-
-# The project's stock-format tiny Llama (the same fields as tests/fixtures/stock_nanotron.yaml; benchmarks do
-# not import from tests/). Sizes are overridden by ``make_config``.
-_BASE: dict[str, Any] = {
-    "checkpoints": {
-        "checkpoint_interval": 1000,
-        "checkpoints_path": "checkpoints",
-        "checkpoints_path_is_shared_file_system": False,
-        "resume_checkpoint_path": None,
-        "save_initial_state": False,
-    },
-    "data": {"dataset": None, "num_loading_workers": 1, "seed": 7},
-    "general": {
-        "benchmark_csv_path": None,
-        "consumed_train_samples": None,
-        "ignore_sanity_checks": True,
-        "project": "benchmarks",
-        "run": "bench",
-        "seed": 7,
-        "step": None,
-    },
-    "lighteval": None,
-    "logging": {"iteration_step_info_interval": 1, "log_level": "warning", "log_level_replica": "warning"},
-    "model": {
-        "ddp_bucket_cap_mb": 25,
-        "dtype": "float32",
-        "init_method": {"std": 0.02},
-        "make_vocab_size_divisible_by": 1,
-        "model_config": {
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "hidden_act": "silu",
-            "hidden_size": 32,
-            "initializer_range": 0.02,
-            "intermediate_size": 64,
-            "is_llama_config": True,
-            "max_position_embeddings": 64,
-            "num_attention_heads": 4,
-            "num_hidden_layers": 2,
-            "num_key_value_heads": 2,
-            "pad_token_id": None,
-            "pretraining_tp": 1,
-            "rms_norm_eps": 1.0e-05,
-            "rope_scaling": None,
-            "tie_word_embeddings": False,
-            "use_cache": False,
-            "vocab_size": 128,
-        },
-    },
-    "optimizer": {
-        "accumulate_grad_in_fp32": True,
-        "adam_beta1": 0.9,
-        "adam_beta2": 0.95,
-        "adam_eps": 1.0e-08,
-        "clip_grad": 1.0,
-        "learning_rate_scheduler": {
-            "learning_rate": 0.001,
-            "lr_decay_starting_step": None,
-            "lr_decay_steps": 8,
-            "lr_decay_style": "cosine",
-            "lr_warmup_steps": 2,
-            "lr_warmup_style": "linear",
-            "min_decay_lr": 1.0e-05,
-        },
-        "torch_adam_is_fused": False,
-        "weight_decay": 0.01,
-        "zero_stage": 0,
-    },
-    "parallelism": {
-        "dp": 2,
-        "pp": 1,
-        "pp_engine": "afab",
-        "tp": 1,
-        "tp_linear_async_communication": False,
-        "tp_mode": "ALL_REDUCE",
-    },
-    "profiler": None,
-    "tokenizer": {"tokenizer_max_length": None, "tokenizer_name_or_path": None, "tokenizer_revision": None},
-    "tokens": {
-        "batch_accumulation_per_replica": 2,
-        "limit_test_batches": 0,
-        "limit_val_batches": 0,
-        "micro_batch_size": 2,
-        "sequence_length": 16,
-        "train_steps": 10,
-        "val_check_interval": -1,
-    },
-}
+from benchmarks.lib.config import n_processes
 
 
-@dataclass
-class ModelSize:
-    hidden: int = 32
-    intermediate: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    vocab: int = 128
-    seq: int = 16
-    micro_batch: int = 2
-
-    def describe(self) -> str:
-        return (f"Llama hidden {self.hidden}, ffn {self.intermediate}, {self.layers} layers, {self.heads} heads "
-                f"({self.kv_heads} kv), vocab {self.vocab}, seq {self.seq}, micro-batch {self.micro_batch}")
-
-
-def add_size_args(ap) -> None:
-    d = ModelSize()
-    ap.add_argument("--hidden", type=int, default=d.hidden)
-    ap.add_argument("--intermediate", type=int, default=d.intermediate)
-    ap.add_argument("--layers", type=int, default=d.layers)
-    ap.add_argument("--seq", type=int, default=d.seq)
-    ap.add_argument("--micro-batch", type=int, default=d.micro_batch)
-    ap.add_argument("--vocab", type=int, default=d.vocab)
-
-
-def size_from_args(args) -> ModelSize:
-    return ModelSize(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, seq=args.seq,
-                     micro_batch=args.micro_batch, vocab=args.vocab)
-
-
-def make_config(
-    *,
-    dp: int,
-    accumulation: int,
-    steps: int,
-    size: ModelSize = ModelSize(),
-    tp: int = 1,
-    pp: int = 1,
-    fault_tolerance: dict | None = None,
-    checkpoint_interval: int = 100000,
-    checkpoints_path: str = "checkpoints",
-) -> dict:
-    """A stock-format tiny Llama config; M = dp * accumulation global microbatches per step."""
-    c = copy.deepcopy(_BASE)
-    c["parallelism"].update(dp=dp, tp=tp, pp=pp)
-    c["tokens"].update(batch_accumulation_per_replica=accumulation, train_steps=steps,
-                       sequence_length=size.seq, micro_batch_size=size.micro_batch)
-    mc = c["model"]["model_config"]
-    mc.update(hidden_size=size.hidden, intermediate_size=size.intermediate, num_hidden_layers=size.layers,
-              num_attention_heads=size.heads, num_key_value_heads=size.kv_heads, vocab_size=size.vocab,
-              max_position_embeddings=max(64, size.seq))
-    c["checkpoints"].update(checkpoint_interval=checkpoint_interval, checkpoints_path=checkpoints_path)
-    c["optimizer"]["learning_rate_scheduler"].update(lr_warmup_steps=2, lr_decay_steps=max(1, steps - 2))
-    if fault_tolerance is not None:
-        c["fault_tolerance"] = fault_tolerance
-    return c
-
-
-def tokens_per_microbatch(config: dict) -> int:
-    return config["tokens"]["micro_batch_size"] * config["tokens"]["sequence_length"]
-
-
-def ranks_per_replica(config: dict) -> int:
-    ft = config.get("fault_tolerance") or {}
-    if ft.get("replica") == "fsdp":
-        return ft["fsdp_shard_size"]
-    return config["parallelism"]["tp"] * config["parallelism"]["pp"]
-
-
-def n_processes(config: dict) -> int:
-    ft = config.get("fault_tolerance") or {}
-    spares = ft.get("spare_replicas", 0) if ft.get("enabled") else 0
-    return (config["parallelism"]["dp"] + spares) * ranks_per_replica(config)
-
-
-# ------------------------------------------------------------------------------------------------ attempts
 @dataclass
 class Kill:
     t: float
@@ -237,22 +67,17 @@ class Attempt:
 def launch(config: dict, run_dir: Path, *, timeout_s: float = 900) -> Attempt:
     """One job through the real launcher (``nanotron_recover.runs.run_training`` -> ``nanotron-recover train``),
     on synthetic data; returns its timeline. ``TimeoutError`` (job group killed) after ``timeout_s``."""
-    import os
-
-    from nanotron_recover.runs import run_training
-
     run_dir = Path(run_dir).resolve()
     load0 = os.getloadavg()[0]
     t0 = time.time()
     result = run_training(config, run_dir, timeout_s=timeout_s, extra_args=["--synthetic-data"], check=False)
     t1 = time.time()
-    output = result.output
-    kills = [Kill(float(m[4]), int(m[2]), int(m[0]), int(m[1]), m[3]) for m in KILL_RE.findall(output)]
+    kills = [Kill(k["time"], k["step"], k["replica"], k["rank"], k["phase"]) for k in read_kills(run_dir)
+             if k["time"] is not None and k["time"] >= t0]
     steps = [s for s in result.steps if s.get("time", 0) >= t0]  # every attempt has its own dir; be safe anyway
-    m = RESUME_RE.search(output)
     return Attempt(str(run_dir), n_processes(config), t0, t1, result.returncode, steps,
                    [e for e in result.events if e.get("time", 0) >= t0], sorted(kills, key=lambda k: k.t),
-                   int(m.group(1)) if m else 0, config["parallelism"]["dp"],
+                   resumed_from(steps), config["parallelism"]["dp"],
                    config["tokens"]["batch_accumulation_per_replica"], load0)
 
 
@@ -387,11 +212,6 @@ def summarize(name: str, attempts: list[Attempt], target_steps: int, rpr: int, g
     return summary
 
 
-def median(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    return statistics.median(xs) if xs else float("nan")
-
-
 def normal_step_times(steps: list[dict], *, skip_first: int = 2, checkpoint_interval: int | None = None,
                       exclude: Iterable[int] = ()) -> list[float]:
     """Step times of undisturbed steps: not the first ``skip_first`` of a job, not right after a checkpoint
@@ -417,40 +237,3 @@ def checkpoint_save_times(a: Attempt, interval: int) -> list[float]:
             nxt = by_step[k + 1]
             out.append((nxt["time"] - nxt["step_time_s"]) - s["time"])
     return out
-
-
-def finite_positive(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str))
-
-
-def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            if not math.isfinite(v):
-                return "n/a"
-            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-        return "n/a" if v is None else str(v)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def machine_line() -> str:
-    import os
-    import platform
-
-    return (f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, CPU only, "
-            f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-
-
-def command_line(argv: Sequence[str] | None, script: str) -> str:
-    import shlex
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join([".venv/bin/python", script, *args])

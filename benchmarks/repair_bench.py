@@ -1,6 +1,6 @@
 """Benchmark: detect-to-repaired time of FTWorld under real SIGKILLs.
 
-    python tests/ft/bench_repair.py --ranks 8 --ranks-per-replica 2 --runs 10
+    python benchmarks/repair_bench.py --ranks 8 --ranks-per-replica 2 --runs 10
 
 Each run kills one rank (rotating over phases and victims) and reports, per run, the median over survivors of
 ``detect_to_repaired_ms`` (this rank's first failure notice -> repaired) and the SIGKILL -> last survivor
@@ -15,9 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ft.harness import run_worker  # noqa: E402
+from tests.ft.harness import run_worker  # noqa: E402  (the ft layer's toy trainer, launched under mpirun)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,79 @@
+"""Reading a run back from what it wrote: metrics.jsonl (one reader, torn lines skipped), the injector's markers,
+the resume step, and the Slurm outcome helper built on them. In-process, no training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.inject import FailureInjector
+from nanotron_recover.metrics import MetricsLogger, read_metrics_jsonl
+from nanotron_recover.runs import read_kills, read_metrics, resumed_from
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(run: Path, text: str) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text(text)
+
+
+def test_a_torn_last_line_is_skipped_by_every_reader(tmp_path: Path) -> None:
+    _write(tmp_path, '{"step": 1, "loss": 2.0}\n{"event": "repair", "step": 2}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert [r.get("event", "step") for r in read_metrics_jsonl(tmp_path)] == ["step", "repair", "step"]
+    steps, events = read_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2] and [e["event"] for e in events] == ["repair"]
+    assert read_metrics_jsonl(tmp_path / "missing") == [] and read_metrics(tmp_path / "missing") == ([], [])
+
+
+def test_read_metrics_keeps_the_last_record_of_a_replayed_step(tmp_path: Path) -> None:
+    _write(tmp_path, "".join(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in [(1, 3.0), (2, 2.0), (2, 2.5), (3, 1.0)]))
+    steps, _ = read_metrics(tmp_path)
+    assert [(s["step"], s["loss"]) for s in steps] == [(1, 3.0), (2, 2.5), (3, 1.0)]
+
+
+def test_a_new_logging_process_does_not_append_to_a_torn_line(tmp_path: Path) -> None:
+    _write(tmp_path, '{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # the old logging rank died mid-line
+    with MetricsLogger(tmp_path, True, None) as heir:
+        heir.log_step({"step": 2, "loss": 1.5})
+    assert [(r["step"], r["loss"]) for r in read_metrics_jsonl(tmp_path)] == [(1, 2.0), (2, 1.5)]
+
+
+def test_read_kills_parses_the_injector_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kills = []
+    monkeypatch.setattr("os.kill", lambda pid, sig: kills.append(sig))  # the marker is written before the kill
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    FailureInjector([{"step": 3, "replica": 1, "rank": 0, "phase": "backward"}], 1, 0, fired_dir=tmp_path / "injected").maybe_fail(3, "backward")
+    FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1, fired_dir=tmp_path / "injected").maybe_fail(2, "reduce")
+    assert len(kills) == 2
+    (tmp_path / "injected" / "step5-replica2-rank1-forward-stop").write_text("1e12\n")  # a later field: ignored
+    (tmp_path / "injected" / "notes.txt").write_text("not a marker")
+    found = read_kills(tmp_path)
+    assert [(k["step"], k["replica"], k["rank"], k["phase"]) for k in found] == [
+        (3, 1, 0, "backward"), (2, 0, 1, "reduce"), (5, 2, 1, "forward")]
+    assert all(isinstance(k["time"], float) for k in found) and found[0]["time"] <= found[1]["time"]
+    assert read_kills(tmp_path / "elsewhere") == []
+
+
+def test_resumed_from_is_one_less_than_the_first_logged_step() -> None:
+    assert resumed_from([{"step": 5}, {"step": 6}]) == 4
+    assert resumed_from([{"step": 1}]) == 0 and resumed_from([]) == 0
+
+
+@pytest.mark.parametrize(
+    "logged, rc, verdict, code",
+    [(4, 0, "done", EXIT_DONE), (3, 0, "restart", EXIT_RESTART), (3, 3, "restart", EXIT_RESTART),
+     (0, 2, "badinput", EXIT_BAD_INPUT)],
+)
+def test_slurm_outcome_helper(tmp_path: Path, logged: int, rc: int, verdict: str, code: int) -> None:
+    lines = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, logged + 1))
+    _write(tmp_path, lines + '{"event": "stopped", "step": 9}\n{"step": 4, "lo')  # an event and a torn line never count
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "slurm" / "recover_job.py"), "outcome", "--run-dir",
+                           str(tmp_path), "--train-steps", "4", "--mpirun-rc", str(rc)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code and proc.stdout.split()[0] == verdict, proc.stdout + proc.stderr

@@ -19,7 +19,7 @@ import yaml
 from nanotron.config import Config, DataArgs, LlamaConfig, PretrainDatasetsArgs, get_config_from_dict
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-from nanotron_recover.inject import PHASES
+from nanotron_recover.inject import FailureSpec
 
 REPLICA_3D = "3d"
 REPLICA_FSDP = "fsdp"
@@ -28,16 +28,6 @@ REPLICA_KINDS = (REPLICA_3D, REPLICA_FSDP)
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
-
-
-@dataclass
-class FailureInjection:
-    """SIGKILL one process of ``replica`` (its ``rank`` within the replica) at ``phase`` of ``step``."""
-
-    step: int
-    replica: int
-    rank: int = 0
-    phase: str = "backward"
 
 
 @dataclass
@@ -53,7 +43,15 @@ class FaultToleranceArgs:
         reduce_bucket_mb: size of the flat fp32 gradient buckets reduced across replicas.
         keep_global_batch: True (ReCoVer): every step commits all M microbatches. False: the shrinking-batch
             baseline (torchft-style): a failed replica's microbatches are dropped, the batch shrinks.
-        inject: a deterministic failure schedule (tests, benchmarks): real SIGKILLs.
+        inject: a deterministic fault schedule (tests, benchmarks): real SIGKILL / SIGSTOP / a hung main thread,
+            see :class:`nanotron_recover.inject.FailureSpec`.
+        hang_timeout_s: a rank that stays silent (a frozen process), or whose main thread makes no progress outside
+            a cross-replica wait (stuck in a kernel or an intra-replica collective), for this long is SIGKILLed, so
+            that recovery runs as for a crash. None (default): ``max(30 s, 5 x the longest step so far)``,
+            60 s before the first step was measured (see :mod:`nanotron_recover.ft.hang`).
+        startup_timeout_s: every rank must be ready to train (imports, ``MPI_Init``, torch rendezvous, model build,
+            checkpoint load) within this long, else the whole job ends with the restart outcome (exit 3). Also the
+            allowance for one checkpoint save.
         replica: what one replica is. ``3d``: a ``parallelism.tp`` x ``parallelism.pp`` grid of nanotron ranks.
             ``fsdp`` (HSDP): ``fsdp_shard_size`` ranks that shard parameters, gradients and optimizer state with
             torch FSDP2 (tp = pp = 1); each microbatch's rows are split over them.
@@ -66,7 +64,9 @@ class FaultToleranceArgs:
     collective_timeout_s: float = 60.0
     reduce_bucket_mb: float = 4.0
     keep_global_batch: bool = True
-    inject: List[FailureInjection] = field(default_factory=list)
+    inject: List[FailureSpec] = field(default_factory=list)
+    hang_timeout_s: Optional[float] = None
+    startup_timeout_s: float = 600.0
     replica: str = REPLICA_3D
     fsdp_shard_size: Optional[int] = None
 
@@ -130,7 +130,9 @@ def _fault_tolerance_from_dict(section: Any) -> Optional[FaultToleranceArgs]:
         return dacite.from_dict(FaultToleranceArgs, section, config=dacite.Config(strict=True))
     except dacite.UnexpectedDataError as e:
         allowed = ", ".join(f.name for f in dataclasses.fields(FaultToleranceArgs))
-        raise ConfigError(f"fault_tolerance: unknown key(s) {sorted(e.keys)}; allowed: {allowed}") from None
+        inject = ", ".join(f.name for f in dataclasses.fields(FailureSpec))
+        raise ConfigError(f"fault_tolerance: unknown key(s) {sorted(e.keys)}; allowed: {allowed} "
+                          f"(inject entries: {inject})") from None
     except dacite.WrongTypeError as e:
         raise ConfigError(f"fault_tolerance.{e.field_path}: expected {e.field_type}, got {e.value!r}") from None
     except dacite.MissingValueError as e:
@@ -211,11 +213,17 @@ def validate(config: RecoverConfig) -> None:
            f"must be between 1 and parallelism.dp={par.dp}, got {ft.min_replicas}")
     _check(ft.collective_timeout_s > 0, "fault_tolerance.collective_timeout_s", "must be > 0")
     _check(ft.reduce_bucket_mb > 0, "fault_tolerance.reduce_bucket_mb", "must be > 0")
+    _check(ft.hang_timeout_s is None or ft.hang_timeout_s >= 1, "fault_tolerance.hang_timeout_s",
+           f"must be >= 1 second (or null for the default), got {ft.hang_timeout_s}")
+    _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
+           f"must be >= 10 seconds, got {ft.startup_timeout_s}")
     _validate_replica_kind(config)
     for i, inj in enumerate(ft.inject):
         key = f"fault_tolerance.inject[{i}]"
-        _check(inj.phase in PHASES, f"{key}.phase", f"{inj.phase!r} is not one of {', '.join(PHASES)}")
-        _check(1 <= inj.step <= tok.train_steps, f"{key}.step", f"{inj.step} is outside 1..{tok.train_steps}")
+        for name, message in inj.problems():
+            raise ConfigError(f"{key}.{name}: {message}")
+        if inj.phase != "startup":
+            _check(1 <= inj.step <= tok.train_steps, f"{key}.step", f"{inj.step} is outside 1..{tok.train_steps}")
         _check(0 <= inj.replica < n_replicas, f"{key}.replica",
                f"{inj.replica} is outside 0..{n_replicas - 1} (dp + spare_replicas)")
         _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
@@ -224,7 +232,7 @@ def validate(config: RecoverConfig) -> None:
             _check(config.checkpoints is not None and inj.step % config.checkpoints.checkpoint_interval == 0,
                    f"{key}.step", "a 'checkpoint' failure needs a step at which a checkpoint is saved")
     if ft.enabled and ft.inject:
-        killed = {inj.replica for inj in ft.inject}
+        killed = {inj.replica for inj in ft.inject if inj.phase != "startup"}  # a startup fault ends the job
         if len(killed) > n_replicas - 1:
             raise ConfigError("fault_tolerance.inject: the schedule kills every replica; none would be left")
 

@@ -1,8 +1,20 @@
-"""Failure injection from a deterministic schedule: the chosen process SIGKILLs itself at (step, phase).
+"""Failure injection from a deterministic schedule: the chosen process signals itself at (step, phase).
 
-Real process death, never a simulated exception.  A schedule entry is ``{step, replica, rank, phase}`` where
-``rank`` is the local rank within the replica.  For ``reduce`` the reduction loop calls
-``maybe_fail(step, "reduce")`` after its first bucket was sent, so the failure lands mid-reduction.
+Real process faults, never a simulated exception. A schedule entry (:class:`FailureSpec`, the one schema the
+config and the injector share) is ``{step, replica, rank, phase, signal, at}`` where ``rank`` is the local rank
+within the replica and ``signal`` says what happens to the process:
+
+* ``kill`` (default): SIGKILL, a crash;
+* ``stop``: SIGSTOP, a frozen process (none of its threads runs; only the hang detector ends it);
+* ``hang``: the main thread blocks forever while the process's other threads run on, as a rank stuck in a GPU
+  kernel or in a collective does.
+
+For ``reduce`` the reduction loop calls ``maybe_fail(step, "reduce")`` after its first bucket was sent, so the
+fault lands mid-reduction. Phase ``startup`` fires before the first step, at the point named by ``at``
+(:data:`STARTUP_POINTS`); its ``step`` must be 0. A marker file per fired entry (``<run_dir>/injected/``) makes a
+fault happen once per run (a relaunch that resumes does not fire it again) and records when it fired.
+
+This module must stay light (standard library only): it runs before ``MPI_Init``.
 """
 
 from __future__ import annotations
@@ -11,36 +23,71 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 # "repair": the process dies inside the survivors' repair (after Shrink): a failure during recovery.
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload", "repair")
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload", "repair", "startup")
+SIGNALS = ("kill", "stop", "hang")
+# Where a ``startup`` fault lands, in start-up order.
+STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
+INJECTED_DIR = "injected"
 
 
 @dataclass(frozen=True)
 class FailureSpec:
-    """Kill local rank ``rank`` of replica ``replica`` when it reaches ``phase`` of ``step``."""
+    """Fault local rank ``rank`` of replica ``replica`` with ``signal`` when it reaches ``phase`` of ``step``."""
 
     step: int
     replica: int
-    rank: int
-    phase: str
+    rank: int = 0
+    phase: str = "backward"
+    signal: str = "kill"
+    at: str | None = None  # phase "startup" only: one of STARTUP_POINTS (default: after_mpi_init)
 
-    def __post_init__(self) -> None:
+    def problems(self) -> list[tuple[str, str]]:
+        """``(field, message)`` for every value that cannot work, whatever the config (empty: valid)."""
+        out = []
         if self.phase not in PHASES:
-            raise ValueError(f"unknown phase {self.phase!r}; expected one of {PHASES}")
-        if self.step < 0 or self.replica < 0 or self.rank < 0:
-            raise ValueError(f"negative field in {self}")
+            out.append(("phase", f"{self.phase!r} is not one of {', '.join(PHASES)}"))
+        if self.signal not in SIGNALS:
+            out.append(("signal", f"{self.signal!r} is not one of {', '.join(SIGNALS)}"))
+        for name in ("step", "replica", "rank"):
+            if getattr(self, name) < 0:
+                out.append((name, f"must be >= 0, got {getattr(self, name)}"))
+        if self.phase == "startup":
+            if self.step != 0:
+                out.append(("step", f"a startup fault happens before step 1: use step 0, got {self.step}"))
+            if self.at is not None and self.at not in STARTUP_POINTS:
+                out.append(("at", f"{self.at!r} is not one of {', '.join(STARTUP_POINTS)}"))
+        elif self.at is not None:
+            out.append(("at", "is only used with phase: startup"))
+        return out
+
+    @property
+    def point(self) -> str:
+        """The phase, or for a startup fault the start-up point (``startup:after_mpi_init``)."""
+        if self.phase != "startup":
+            return self.phase
+        return f"startup:{self.at or 'after_mpi_init'}"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FailureSpec":
-        extra = set(d) - {"step", "replica", "rank", "phase"}
+        known = {f.name for f in fields(cls)}
+        extra = set(d) - known
         if extra:
-            raise ValueError(f"unknown keys in failure spec: {sorted(extra)}")
-        return cls(int(d["step"]), int(d["replica"]), int(d.get("rank", 0)), str(d["phase"]))
+            raise ValueError(f"unknown keys in failure spec: {sorted(extra)}; allowed: {sorted(known)}")
+        spec = cls(
+            int(d["step"]), int(d["replica"]), int(d.get("rank", 0)), str(d.get("phase", "backward")),
+            str(d.get("signal", "kill")), None if d.get("at") is None else str(d["at"]),
+        )
+        bad = spec.problems()
+        if bad:
+            raise ValueError("; ".join(f"{key}: {msg}" for key, msg in bad))
+        return spec
 
 
 def parse_schedule(schedule: Iterable[Mapping[str, Any] | FailureSpec] | str | None) -> list[FailureSpec]:
@@ -52,8 +99,14 @@ def parse_schedule(schedule: Iterable[Mapping[str, Any] | FailureSpec] | str | N
     return [s if isinstance(s, FailureSpec) else FailureSpec.from_dict(s) for s in schedule]  # type: ignore[union-attr]
 
 
+def marker_name(spec: FailureSpec) -> str:
+    """The marker file of a fired entry: ``step{s}-replica{r}-rank{k}-{phase}[-{signal}]`` (kill adds nothing)."""
+    name = f"step{spec.step}-replica{spec.replica}-rank{spec.rank}-{spec.point.replace(':', '.')}"
+    return name if spec.signal == "kill" else f"{name}-{spec.signal}"
+
+
 class FailureInjector:
-    """Holds the entries that target this process and kills it when one comes due."""
+    """Holds the entries that target this process and fires one when it comes due."""
 
     def __init__(
         self,
@@ -69,35 +122,48 @@ class FailureInjector:
         self.schedule = parse_schedule(schedule)
         self.fired_dir = Path(fired_dir) if fired_dir is not None else None
         self._mine = {
-            (s.step, s.phase)
+            (s.step, s.point): s
             for s in self.schedule
-            if s.replica == my_replica and s.rank == my_local_rank and not self._marker(s.step, s.phase).is_file()
+            if s.replica == my_replica and s.rank == my_local_rank and not self._marker(s).is_file()
         }
 
-    def _marker(self, step: int, phase: str) -> Path:
-        name = f"step{step}-replica{self.my_replica}-rank{self.my_local_rank}-{phase}"
-        return self.fired_dir / name if self.fired_dir is not None else Path(os.devnull) / name
+    def _marker(self, spec: FailureSpec) -> Path:
+        base = self.fired_dir if self.fired_dir is not None else Path(os.devnull)
+        return base / marker_name(spec)
+
+    def targets_me(self) -> bool:
+        return any(s.replica == self.my_replica and s.rank == self.my_local_rank for s in self.schedule)
 
     def will_fail(self, step: int, phase: str) -> bool:
         return (step, phase) in self._mine
 
     def maybe_fail(self, step: int, phase: str) -> None:
-        """SIGKILL this process if the schedule says so; otherwise return at once."""
-        if phase not in PHASES:
-            raise ValueError(f"unknown phase {phase!r}")
-        if (step, phase) not in self._mine:
+        """Fault this process if the schedule says so; otherwise return at once.
+
+        ``phase`` is one of :data:`PHASES` (other than ``startup``) or ``startup:<point>``.
+        """
+        spec = self._mine.get((step, phase))
+        if spec is None:
+            if phase.split(":")[0] not in PHASES:
+                raise ValueError(f"unknown phase {phase!r}")
             return
+        del self._mine[(step, phase)]
         if self.fired_dir is not None:
             self.fired_dir.mkdir(parents=True, exist_ok=True)
-            with open(self._marker(step, phase), "w") as f:
+            with open(self._marker(spec), "w") as f:
                 f.write(f"{time.time():.6f}\n")
                 f.flush()
                 os.fsync(f.fileno())
         sys.stdout.flush()
         sys.stderr.write(
-            f"[inject] KILL replica {self.my_replica} local rank {self.my_local_rank} pid {os.getpid()} "
-            f"at step {step} phase {phase} t={time.time():.6f}\n"
+            f"[inject] {spec.signal.upper()} replica {self.my_replica} local rank {self.my_local_rank} "
+            f"pid {os.getpid()} at step {step} phase {phase} t={time.time():.6f}\n"
         )
         sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)  # SIGKILL is asynchronous in theory; never run on past the injection point
+        if spec.signal == "hang":
+            threading.Event().wait()  # the main thread never comes back; other threads keep running
+        os.kill(os.getpid(), signal.SIGSTOP if spec.signal == "stop" else signal.SIGKILL)
+        if spec.signal == "kill":
+            time.sleep(60)  # SIGKILL is asynchronous in theory; never run on past the injection point
+        else:
+            threading.Event().wait()  # woken from SIGSTOP (SIGCONT): still never run on past the point

@@ -1,6 +1,7 @@
 """The user command: ``nanotron-recover train --config-file X`` -> ``mpirun [--with-ft ulfm] ... train``.
 
-Everything that can be wrong with the input is reported here, before any rank starts.
+Everything that can be wrong with the input is reported here, before any rank starts. Module-level imports stay
+light (no torch, nanotron or mpi4py): each rank reads its options from here before its start-up guard is armed.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import shlex
 import socket
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from nanotron_recover.config import ConfigError, RecoverConfig, load_config
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT
 from nanotron_recover.mpirun import mpirun_command, python_module_command
+
+if TYPE_CHECKING:
+    from nanotron_recover.config import RecoverConfig
 
 
 def resolve_run_name(template: str | None) -> str:
@@ -25,7 +29,7 @@ def resolve_run_name(template: str | None) -> str:
     return name.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
 
 
-def default_run_dir(config: RecoverConfig) -> Path:
+def default_run_dir(config: "RecoverConfig") -> Path:
     return Path("runs") / resolve_run_name(config.general.run)
 
 
@@ -56,8 +60,9 @@ def forwarded_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return out
 
 
-def load_effective_config(args: argparse.Namespace) -> RecoverConfig:
+def load_effective_config(args: argparse.Namespace) -> "RecoverConfig":
     """The config with the command-line overrides applied and the run-time input checked."""
+    from nanotron_recover.config import load_config
     from nanotron_recover.preflight import apply_overrides, check_runtime_inputs
 
     config = load_config(args.config_file)
@@ -68,7 +73,7 @@ def load_effective_config(args: argparse.Namespace) -> RecoverConfig:
     return config
 
 
-def train_command(args: argparse.Namespace) -> tuple[list[str], RecoverConfig, Path]:
+def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig", Path]:
     config = load_effective_config(args)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
     program = python_module_command("nanotron_recover.train", forwarded_args(args, run_dir))
@@ -117,12 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from nanotron_recover.config import ConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"nanotron-recover: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

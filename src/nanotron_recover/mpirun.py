@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-# Detector tuning (seconds): how quickly ULFM declares a silent (not crashed) peer dead.
-HEARTBEAT_PERIOD_S = 1.0
-HEARTBEAT_TIMEOUT_S = 3.0
+from nanotron_recover.ft.detector import DETECTOR_HEARTBEAT_PERIOD_S, DETECTOR_HEARTBEAT_TIMEOUT_S
 
 
 def mpirun_executable() -> str:
@@ -47,10 +45,10 @@ def mpirun_command(
             "ulfm",
             "--prtemca",
             "errmgr_detector_heartbeat_period",
-            str(HEARTBEAT_PERIOD_S),
+            str(DETECTOR_HEARTBEAT_PERIOD_S),
             "--prtemca",
             "errmgr_detector_heartbeat_timeout",
-            str(HEARTBEAT_TIMEOUT_S),
+            str(DETECTOR_HEARTBEAT_TIMEOUT_S),
         ]
     if oversubscribe:
         cmd.append("--oversubscribe")

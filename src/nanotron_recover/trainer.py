@@ -11,7 +11,6 @@ builder, ``clip_grad_norm``, ``sync_tied_weights_gradients`` and the ``serialize
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from nanotron_recover.checkpoint import CheckpointLayout, CheckpointManager
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
-from nanotron_recover.inject import FailureInjector
+from nanotron_recover.inject import INJECTED_DIR, FailureInjector
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
@@ -78,6 +77,12 @@ class RecoverTrainer:
         self.parallel_context = data_parallel.parallel_context
         self.device = devices.compute_device()
         self.M = config.microbatches_per_step
+        # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
+        self.injector = FailureInjector(
+            config.fault_tolerance.inject if config.fault_tolerance else [],
+            data_parallel.replica, data_parallel.local_rank, fired_dir=self.run_dir / INJECTED_DIR,
+        )
+        self._current_step = 0  # read by the phase hooks
 
         self.model = build_llama(
             config.model.model_config,
@@ -87,6 +92,7 @@ class RecoverTrainer:
             device=self.device,
         )
         init_weights(self.model, std=_init_std(config), seed=config.general.seed)
+        self.injector.maybe_fail(0, "startup:model_build")
         self.named_params = list(self.model.get_named_params_with_correct_tied())
         self.dp.attach_model(self)  # may wrap the model (DDP) or lay gradients into flat buckets
         self.optimizer = self._build_optimizer()
@@ -97,18 +103,12 @@ class RecoverTrainer:
         self.dataset = build_dataset(
             config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
         )
-        # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
-        schedule = [dataclasses.asdict(entry) for entry in config.fault_tolerance.inject] if config.fault_tolerance else []
-        self.injector = FailureInjector(
-            schedule, self.dp.replica, self.dp.local_rank, fired_dir=self.run_dir / "injected"
-        )
         self._install_phase_hooks()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
         self.step = 0
-        self._current_step = 0  # read by the failure-injection hooks
         self.grad_norm: float | None = None
         self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
 
@@ -128,28 +128,32 @@ class RecoverTrainer:
             ),
         )
 
+    def _at(self, phase: str) -> None:
+        """A point of the step: progress for the hang monitor, and where a scheduled fault fires."""
+        self.dp.progress(self._current_step, phase)
+        self.injector.maybe_fail(self._current_step, phase)
+
     def _install_phase_hooks(self) -> None:
-        """Failure injection fires inside the real computation: a forward pre-hook and a gradient hook."""
-        if not any(s.replica == self.dp.replica and s.rank == self.dp.local_rank for s in self.injector.schedule):
-            return
+        """Progress and fault injection inside the real computation: a forward pre-hook and a gradient hook, once
+        per microbatch (a microbatch is the unit of progress the hang monitor waits for)."""
         local_params = [p for p in self.dp.unwrapped_model.parameters() if p.requires_grad]
         if not local_params:
             return
-        self.dp.unwrapped_model.register_forward_pre_hook(lambda *_: self.injector.maybe_fail(self._current_step, "forward"))
+        self.dp.unwrapped_model.register_forward_pre_hook(lambda *_: self._at("forward"))
         if isinstance(local_params[0], DTensor):
             # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
             # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
             middle = local_params[len(local_params) // 2]
-            middle.register_post_accumulate_grad_hook(lambda p: self.injector.maybe_fail(self._current_step, "backward"))
+            middle.register_post_accumulate_grad_hook(lambda p: self._at("backward"))
             return
-        local_params[0].register_hook(lambda g: self.injector.maybe_fail(self._current_step, "backward") or g)
+        local_params[0].register_hook(lambda g: self._at("backward") or g)
 
     # ----------------------------------------------------------------------------------------------- compute
     def compute(self, step: int, indices: Sequence[int], loss_divisor: int) -> LocalWork:
         """Forward/backward the given global microbatches of ``step``; gradients accumulate in place."""
         if len(indices) == 0:
             return LocalWork()
-        self.injector.maybe_fail(step, "dataload")
+        self._at("dataload")
         unwrapped, pc = self.dp.unwrapped_model, self.parallel_context
         batch = [
             place_microbatch(self.dp.local_rows(self.dataset.microbatch(step, i)), unwrapped, pc, self.device)
@@ -169,6 +173,8 @@ class RecoverTrainer:
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
         self.step = self.checkpoints.maybe_resume(self)
+        self.injector.maybe_fail(0, "startup:checkpoint_load")
+        self.dp.startup_complete(self)  # every rank ready: from here on a fault is recovered, not a restart
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
         while self.step < total:
@@ -179,7 +185,7 @@ class RecoverTrainer:
             self.step = step
             self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
             if self.checkpoints.due(step):
-                self.injector.maybe_fail(step, "checkpoint")
+                self._at("checkpoint")
                 self.dp.save_checkpoint(self, step)
         self.dp.finish(self)
         self.metrics.close()
@@ -187,7 +193,7 @@ class RecoverTrainer:
     def train_step(self, step: int) -> CommittedStep:
         self._current_step = step
         result = self.dp.forward_backward_reduce(self, step)  # plan -> compute -> reduce (with recovery)
-        self.injector.maybe_fail(step, "optimizer")
+        self._at("optimizer")
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step
             self.dp.sync_tied_gradients(self)
             self.grad_norm = self._clip()
@@ -207,6 +213,7 @@ class RecoverTrainer:
         live_procs = result.live_replicas * self.config.ranks_per_replica
         record = {
             "step": self.step,
+            "time": time.time(),  # when the step was committed (to line up with fault times)
             "loss": result.loss,
             "lr": self.lr_scheduler.get_last_lr()[0],
             "grad_norm": self.grad_norm,
@@ -245,6 +252,12 @@ class DataParallelStrategy:
     def computes(self) -> bool:
         """Whether this rank computes microbatches (an idle spare does not)."""
         return True
+
+    def startup_complete(self, trainer: RecoverTrainer) -> None:
+        """Called by every rank once it is ready to train (model built, checkpoint loaded)."""
+
+    def progress(self, step: int, phase: str) -> None:
+        """The main thread reached ``phase`` of ``step`` (for hang detection)."""
 
     def checkpoint_layout(self) -> "CheckpointLayout | None":
         """What goes inside a checkpoint folder (None: nanotron's format)."""

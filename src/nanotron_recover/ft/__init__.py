@@ -3,30 +3,38 @@
 Use :class:`FTWorld` for every cross-replica operation.  A collective either completes or raises
 :class:`FailureDetected`; then every survivor calls :meth:`FTWorld.repair`, which returns a
 :class:`RepairEvent` or raises :class:`ReplicaEvicted` on the alive ranks of a failed replica.
+A frozen or stuck rank is turned into a crash by the :class:`HangMonitor` (see :mod:`.hang`).
+
+The names below are loaded on first use: importing :mod:`mpi4py` runs ``MPI_Init``, which the launcher (it
+reads :mod:`.detector`) and the start-up guard must not do.
 """
 
-from .errors import (
-    ERR_PROC_FAILED,
-    ERR_PROC_FAILED_PENDING,
-    ERR_REVOKED,
-    FailureDetected,
-    ReplicaEvicted,
-    error_class,
-)
-from .events import RepairEvent
-from .layout import ReplicaLayout
-from .watcher import FailureWatcher
-from .world import FTWorld
+from __future__ import annotations
 
-__all__ = [
-    "ERR_PROC_FAILED",
-    "ERR_PROC_FAILED_PENDING",
-    "ERR_REVOKED",
-    "FTWorld",
-    "FailureDetected",
-    "FailureWatcher",
-    "RepairEvent",
-    "ReplicaEvicted",
-    "ReplicaLayout",
-    "error_class",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ERR_PROC_FAILED": "errors",
+    "ERR_PROC_FAILED_PENDING": "errors",
+    "ERR_REVOKED": "errors",
+    "FailureDetected": "errors",
+    "ReplicaEvicted": "errors",
+    "error_class": "errors",
+    "RepairEvent": "events",
+    "HangMonitor": "hang",
+    "HangPolicy": "hang",
+    "MainThreadProgress": "hang",
+    "ReplicaLayout": "layout",
+    "FailureWatcher": "watcher",
+    "FTWorld": "world",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

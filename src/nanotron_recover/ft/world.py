@@ -8,6 +8,7 @@ complete or raise :class:`FailureDetected`; after that the caller runs :meth:`re
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -17,8 +18,10 @@ from typing import Callable, Iterator, Literal, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .detector import DETECTOR_HEARTBEAT_TIMEOUT_S
 from .errors import FailureDetected, ReplicaEvicted, error_class
 from .events import RepairEvent
+from .hang import HangMonitor, HangPolicy, MainThreadProgress
 from .layout import ReplicaLayout, split_coord_comm, try_revoke
 from .repair import HEALTHY_BIT, run_repair
 from .watcher import FailureWatcher
@@ -46,6 +49,9 @@ class FTWorld:
             live ranks, instead of running into it.
         log: where one-line messages go (default: stderr, flushed).
         on_evict: called (in the watcher thread) just before the watcher ends an evicted process with exit code 0.
+        on_startup_failure: called (in the watcher thread) with the dead ranks when a rank dies before
+            :meth:`complete_startup`; nothing can be recovered then (the caller ends the job). None: no special case.
+        notice_timeout_s: the longest a death may take to be noticed (the launcher's failure-detector timeout).
     """
 
     def __init__(
@@ -58,6 +64,8 @@ class FTWorld:
         fail_fast: bool = True,
         log: LogFn | None = None,
         on_evict: Callable[[ReplicaEvicted], None] | None = None,
+        on_startup_failure: Callable[[frozenset[int]], None] | None = None,
+        notice_timeout_s: float = DETECTOR_HEARTBEAT_TIMEOUT_S,
     ) -> None:
         self.layout = ReplicaLayout(comm.Get_size(), ranks_per_replica)
         self.rank: int = comm.Get_rank()
@@ -70,6 +78,11 @@ class FTWorld:
         self.fail_fast = fail_fast
         self._log = log or _stderr_log
         self._on_evict = on_evict
+        self._on_startup_failure = on_startup_failure
+        self.notice_timeout_s = notice_timeout_s
+        self.starting = on_startup_failure is not None
+        self.progress = MainThreadProgress()
+        self.hang_monitor: HangMonitor | None = None
 
         self.world_comm: MPI.Comm | None = comm.Dup()
         self.world_comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -81,6 +94,10 @@ class FTWorld:
         self.coord_comm: MPI.Comm | None = split_coord_comm(
             self.world_comm, self.layout, self.rank, self.active_replicas
         )
+        # who runs where: a hung rank can only be killed by a process on its own host
+        placement = self.world_comm.allgather((socket.gethostname(), os.getpid()))
+        self.hosts: list[str] = [host for host, _ in placement]
+        self.pids: list[int] = [pid for _, pid in placement]
 
         # Held by whichever thread is inside MPI on world/coord comms (a guarded collective or a repair), so the
         # watcher never runs a repair concurrently with a main-thread collective on the same communicator.
@@ -92,6 +109,39 @@ class FTWorld:
         # Test seam: called inside the repair protocol as hook(point, attempt); used to SIGKILL a rank mid-repair.
         self.repair_hook: Callable[[str, int], None] | None = None
         self.watcher: FailureWatcher | None = FailureWatcher(comm, self._on_notice).start() if watch else None
+
+    # --------------------------------------------------------------- start-up
+    def complete_startup(self) -> None:
+        """Collective: every rank is ready to train. Raises FailureDetected if a rank died during start-up.
+
+        Until this returns, a death notice goes to ``on_startup_failure`` instead of a repair.
+        """
+        self.agree(True)
+        self.starting = False
+
+    def start_hang_monitor(
+        self, policy: HangPolicy, on_hang: Callable[[dict], None], end_job: Callable[[str], None]
+    ) -> HangMonitor:
+        """Collective (duplicates the world): heartbeats to the peers, SIGKILL of frozen or stuck ranks."""
+        comm = self._comm("world")
+        with self._guard("start_hang_monitor", comm):
+            monitor = HangMonitor(
+                comm, self.layout, self.hosts, self.pids,
+                live_ranks=lambda: self.live_ranks,
+                known_dead=lambda: self.watcher.dead_ranks if self.watcher is not None else frozenset(),
+                progress=self.progress, policy=policy, on_hang=on_hang, end_job=end_job,
+            )
+        self.hang_monitor = monitor.start()
+        return monitor
+
+    def wait_for_failure_notice(self) -> bool:
+        """Wait up to ``notice_timeout_s`` (+2 s) for the watcher to report a death; True if one came."""
+        deadline = time.monotonic() + self.notice_timeout_s + 2.0
+        while not self.failure_pending():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     # ------------------------------------------------------------------ views
     @property
@@ -179,7 +229,11 @@ class FTWorld:
         After a return, the caller decides the active set (default: previously active minus failed).
         """
         with self._op_lock:
-            return self._repair_locked(by_watcher=False)
+            self.progress.waiting("repair")
+            try:
+                return self._repair_locked(by_watcher=False)
+            finally:
+                self.progress.resume()
 
     def _repair_locked(self, by_watcher: bool) -> RepairEvent:
         if self.evicted:
@@ -240,6 +294,9 @@ class FTWorld:
         own = sorted(r for r in dead if r in self._live_set and self.layout.replica_of(r) == self.replica)
         if dead & self._live_set:
             self.had_failure = True
+            if self.starting and self._on_startup_failure is not None:
+                self._on_startup_failure(frozenset(dead & self._live_set))
+                return
         if not own or self.evicted:
             return
         # The main thread may be blocked forever in intra-replica torch traffic: act for it.  If the main thread
@@ -277,6 +334,8 @@ class FTWorld:
         Without failures, frees our communicators and finalizes MPI normally (and returns).
         """
         had = self.had_failure if had_failure is None else had_failure
+        if self.hang_monitor is not None:
+            self.hang_monitor.stop()
         if self.watcher is not None:
             self.watcher.stop()
         if had or self.evicted:
@@ -328,12 +387,15 @@ class FTWorld:
                 self._note_error()
                 self._revoke_all(comm)
                 raise FailureDetected(op, -1, self.epoch, "failure notice before start")
+            self.progress.waiting(op)
             try:
                 yield
             except MPI.Exception as exc:
                 self._note_error()
                 self._revoke_all(comm)
                 raise FailureDetected(op, error_class(exc), self.epoch, str(exc)) from exc
+            finally:
+                self.progress.resume()
 
     def _note_error(self) -> None:
         self.had_failure = True

@@ -13,7 +13,11 @@ Spares replace failed replicas at the next step boundary, after a state copy fro
 from __future__ import annotations
 
 import datetime
+import json
+import os
+import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import nanotron_recover.nanotron_compat  # noqa: F401
@@ -24,8 +28,8 @@ from mpi4py import MPI
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.devices import needs_host_staging
-from nanotron_recover.ft import FailureDetected, FTWorld, RepairEvent
-from nanotron_recover.mpirun import HEARTBEAT_TIMEOUT_S
+from nanotron_recover.exit_codes import EXIT_RESTART
+from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
 from nanotron_recover.recovery.optim_state import ensure_adam_state
@@ -37,7 +41,7 @@ from nanotron_recover.world import init_replica_torch_world
 if TYPE_CHECKING:
     from nanotron_recover.trainer import RecoverTrainer
 
-EXIT_BELOW_MIN_REPLICAS = 3
+EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
 
 
 class BelowMinimumReplicas(RuntimeError):
@@ -49,7 +53,10 @@ class BelowMinimumReplicas(RuntimeError):
 
 
 class ResilientDataParallel(DataParallelStrategy):
-    def __init__(self, config: RecoverConfig, timeout_s: float) -> None:
+    """``end_job(reason)`` ends the whole job with the restart outcome (:func:`nanotron_recover.watchdog.end_job`);
+    it is called when a rank dies during start-up and when a hang cannot be ended by killing a rank."""
+
+    def __init__(self, config: RecoverConfig, timeout_s: float, end_job: Callable[[str], None]) -> None:
         par, ft_args = config.parallelism, config.fault_tolerance
         self.config = config
         self.M = config.microbatches_per_step
@@ -64,17 +71,24 @@ class ResilientDataParallel(DataParallelStrategy):
         rpr = config.ranks_per_replica
         self.replica, self.local_rank = divmod(world.Get_rank(), rpr)
         self.loss_divisor = self.M  # every microbatch's loss / M: the reduced gradient is the step's mean
+        self.on_exit: Callable[[int, str], None] = lambda code, reason: None
+        self.on_started: Callable[[], None] = lambda: None  # called once every rank is ready to train
+        self.run_dir: Path | None = None  # where hang_detected events are appended (set by the entry point)
+        self._end_job = end_job
 
-        replica_comm = world.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
+        # The FT world first: from here on a death anywhere is noticed (and, during start-up, ends the job).
+        active = list(range(par.dp))
+        self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
+        self.ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict,
+                          on_startup_failure=self._on_startup_failure)
+        self.hang_policy = HangPolicy(fixed_timeout_s=ft_args.hang_timeout_s, io_allowance_s=ft_args.startup_timeout_s)
+        replica_comm = self.ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
         init_replica_torch_world(replica_comm, timeout_s)
         replica_comm.Free()
         self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
-        active = list(range(par.dp))
-        self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
-        self.ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict)
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
-        self.on_exit: Callable[[int, str], None] = lambda code, reason: None
+        self._step_started = 0.0
 
     def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
         """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""
@@ -98,8 +112,53 @@ class ResilientDataParallel(DataParallelStrategy):
     def computes(self) -> bool:
         return self.replica in self.ft.active_replicas
 
+    # ------------------------------------------------------------------------------------------------- start-up
+    def startup_complete(self, trainer: "RecoverTrainer") -> None:
+        """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with
+        the restart outcome); then the start-up watchdog is disarmed and the hang monitor takes over."""
+        try:
+            self.ft.complete_startup()
+        except FailureDetected as e:
+            self._on_startup_failure(frozenset(), detail=str(e))
+            return
+        self.on_started()
+        self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
+
+    def _on_startup_failure(self, dead: frozenset[int], detail: str = "") -> None:
+        reason = f"rank(s) {sorted(dead)} died during start-up" if dead else f"start-up failed: {detail}"
+        self.on_exit(EXIT_RESTART, reason)
+        self._end_job(reason)
+
+    def _end_job_from_monitor(self, reason: str) -> None:
+        self.on_exit(EXIT_RESTART, f"hang: {reason}")
+        self._end_job(f"hang: {reason}")
+
+    def _log_hang(self, record: dict) -> None:
+        """Any rank may detect a hang: append the event to the run's metrics.jsonl (one ``write`` of one line with
+        O_APPEND, so it never interleaves with the logging rank's lines) and say it on stderr."""
+        line = json.dumps(record, default=str)
+        sys.stderr.write(f"[nanotron-recover] {line}\n")
+        sys.stderr.flush()
+        if self.run_dir is None:
+            return
+        fd = os.open(self.run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def progress(self, step: int, phase: str) -> None:
+        self.ft.progress.busy(phase, step)
+
+    def hang_margin(self) -> dict:
+        monitor = self.ft.hang_monitor
+        if monitor is None:
+            return {}
+        return {**monitor.margin.as_dict(), "timeout_s": self.hang_policy.timeout_s}
+
     # ------------------------------------------------------------------------------------------------- step
     def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
+        self._step_started = time.monotonic()
         plan = self._plan(step)
         todo = plan.get(self.replica, [])
         work = LocalWork()
@@ -138,11 +197,8 @@ class ResilientDataParallel(DataParallelStrategy):
         Returns normally when no process died (the error is a bug, not a fault) or when the repair kept this
         rank (then the error was not caused by the failure): the caller aborts.
         """
-        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 2.0
-        while not self.ft.failure_pending():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.01)
+        if self.ft.starting or not self.ft.wait_for_failure_notice():
+            return
         self.ft.repair()
 
     def _plan(self, step: int) -> Plan:
@@ -207,6 +263,7 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def after_commit(self, trainer: "RecoverTrainer", step: int) -> None:
         """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
+        self.progress(step, "spare-activation")
         donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step
         while self._pending_activation:
             try:
@@ -220,6 +277,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 donors -= set(event.failed_replicas)
                 if self.roster.below_minimum(self.min_replicas) or not donors:
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
+        self.hang_policy.record_step(time.monotonic() - self._step_started)
 
     def _copy_state_to_new_replicas(self, trainer: "RecoverTrainer", donor: int, new: set[int]) -> None:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""

@@ -1,0 +1,392 @@
+"""Hang detection: turn a frozen or stuck rank into a crash, which ULFM and the in-step recovery already handle.
+
+MPI has no timeout, PRRTE's heartbeat watches daemons, not ranks, and a torch timeout fires only while a torch
+collective is pending: a silent process would stall the whole job for ever. The design rests on four facts:
+
+* a frozen process (SIGSTOP, a hung node) runs none of its threads: it stops sending heartbeats, and its peers
+  notice the silence;
+* a rank stuck in a kernel or in an intra-replica collective still runs its threads: its own monitor sees that
+  the main thread has made no progress while *busy* (outside a cross-replica wait) and ends its own process;
+* the replica is the unit of failure: killing any one rank of a hung replica removes that replica (the repair
+  evicts the others), so the culprit need not be found exactly;
+* a pid can only be killed on its own host: hosts and pids are exchanged when the world is built, and the kill of
+  a rank on another host is asked of the live ranks on that host.
+
+Every rank runs one :class:`HangMonitor` thread with its own duplicate of the world communicator. Every
+``HEARTBEAT_PERIOD_S`` it sends a heartbeat, point to point, to its *peers*: its replica-mates and the ranks of its
+coordinate in the other replicas, so each rank is watched from inside and from outside its replica, and the
+traffic per rank grows with ``ranks_per_replica + replicas``, not with the world. The same pending
+``ANY_SOURCE`` receive takes heartbeats, kill requests and goodbyes (a rank that stops cleanly says so).
+
+Decisions, each reported through ``on_hang`` (the ``hang_detected`` event) before anything is killed:
+
+* a peer silent for ``timeout`` -> SIGKILL it. Of a peer's watchers the lowest live rank acts first; the others
+  act one heartbeat period later each, if the peer is still not known dead (a watcher may be frozen too);
+* my own main thread busy with no progress for ``timeout`` -> SIGKILL myself;
+* a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host), or my
+  main thread waiting in cross-replica MPI for ``stall_limit`` with nobody found hung -> ``end_job`` (restart).
+
+The timeout (:class:`HangPolicy`) is fixed (``fault_tolerance.hang_timeout_s``) or derived from the measured step
+time: ``max(HANG_FLOOR_S, HANG_STEP_FACTOR x the longest step so far)``, ``FIRST_STEP_TIMEOUT_S`` before a step
+was measured. A checkpoint save may take up to ``io_allowance_s`` (``startup_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .layout import ReplicaLayout
+
+HEARTBEAT_TAG = 0x4EA7
+HEARTBEAT_PERIOD_S = 1.0
+CHECK_INTERVAL_S = 0.1
+KILL_CONFIRM_S = 10.0
+HANG_FLOOR_S = 30.0
+HANG_STEP_FACTOR = 5.0
+FIRST_STEP_TIMEOUT_S = 60.0
+MAX_PENDING_SENDS = 4096
+
+# message kinds (int64[4]: kind, sender, a, b)
+_HEARTBEAT, _KILL, _BYE = 1, 2, 3
+
+BUSY, WAITING = "busy", "waiting"
+
+
+class MainThreadProgress:
+    """What the main thread is doing, written by it, read by the monitor (plain attribute writes: no lock).
+
+    ``busy(where)``: computing or in intra-replica work at ``where`` (each call is progress); ``waiting(op)``: inside
+    a cross-replica MPI operation, where a stall is somebody else's.
+    """
+
+    def __init__(self) -> None:
+        self.state = BUSY
+        self.where = "start-up"
+        self.step = 0
+        self.since = time.monotonic()
+        self._busy_where = self.where
+
+    def busy(self, where: str, step: int) -> None:
+        self.where = self._busy_where = where
+        self.step, self.since, self.state = step, time.monotonic(), BUSY
+
+    def waiting(self, op: str) -> None:
+        self.where, self.since, self.state = op, time.monotonic(), WAITING
+
+    def resume(self) -> None:
+        """Back from a cross-replica wait to the busy phase it interrupted (which made progress)."""
+        self.where, self.since, self.state = self._busy_where, time.monotonic(), BUSY
+
+    def describe(self) -> str:
+        return f"step {self.step} {self.where}"
+
+
+@dataclass
+class HangPolicy:
+    """How long is too long (seconds)."""
+
+    fixed_timeout_s: float | None = None
+    io_allowance_s: float = 600.0
+    longest_step_s: float = 0.0
+
+    def record_step(self, seconds: float) -> None:
+        self.longest_step_s = max(self.longest_step_s, seconds)
+
+    @property
+    def timeout_s(self) -> float:
+        if self.fixed_timeout_s is not None:
+            return self.fixed_timeout_s
+        if self.longest_step_s <= 0:
+            return FIRST_STEP_TIMEOUT_S
+        return max(HANG_FLOOR_S, HANG_STEP_FACTOR * self.longest_step_s)
+
+    def busy_limit_s(self, where: str) -> float:
+        timeout = self.timeout_s
+        return max(timeout, self.io_allowance_s) if where.startswith("checkpoint") else timeout
+
+    @property
+    def stall_limit_s(self) -> float:
+        timeout = self.timeout_s
+        return max(4 * timeout, timeout + self.io_allowance_s)
+
+
+@dataclass
+class HangMargin:
+    """The closest any check came to firing in this run (seconds): the margin to the timeout."""
+
+    max_silence_s: float = 0.0
+    max_busy_s: float = 0.0
+    max_waiting_s: float = 0.0
+    checks: int = 0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def peers_of(layout: ReplicaLayout, rank: int) -> list[int]:
+    """The ranks ``rank`` sends heartbeats to and watches: its replica-mates and its coordinate in other replicas."""
+    replica, local = layout.replica_of(rank), layout.local_rank_of(rank)
+    mates = layout.ranks_of(replica)
+    coords = [layout.world_rank(r, local) for r in range(layout.n_replicas)]
+    return sorted(set(mates + coords) - {rank})
+
+
+@dataclass
+class _Peer:
+    last_heard: float
+    bye: bool = False
+    reported: bool = False
+
+
+@dataclass
+class _KillOrder:
+    target: int
+    at: float
+    confirmed: bool = False
+
+
+class HangMonitor:
+    """One thread per rank: heartbeats out, silence and stalls in; see the module docstring.
+
+    Args:
+        comm: the original world communicator (duplicated here; collective over it).
+        layout: the replica grid.
+        hosts: host name of every original rank; pids: their process ids (exchanged when the world was built).
+        live_ranks: called each round for the current live original ranks (the FT world's view).
+        known_dead: called each round for ranks already known dead (the failure watcher's view).
+        progress: the main thread's state.
+        policy: the timeouts.
+        on_hang: called with a ``hang_detected`` record before a kill (or before ``end_job``).
+        end_job: ends the whole job (restart outcome); called with a reason.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        layout: ReplicaLayout,
+        hosts: Sequence[str],
+        pids: Sequence[int],
+        live_ranks: Callable[[], Sequence[int]],
+        known_dead: Callable[[], frozenset[int]],
+        progress: MainThreadProgress,
+        policy: HangPolicy,
+        on_hang: Callable[[dict], None],
+        end_job: Callable[[str], None],
+    ) -> None:
+        self._comm = comm.Dup()
+        self._comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._group = self._comm.Get_group()
+        self.rank = self._comm.Get_rank()
+        self.layout = layout
+        self.hosts, self.pids = list(hosts), list(pids)
+        self._live_ranks, self._known_dead = live_ranks, known_dead
+        self.progress, self.policy = progress, policy
+        self._on_hang, self._end_job = on_hang, end_job
+        self.margin = HangMargin()
+        self._watched = peers_of(layout, self.rank)
+        self._peers: dict[int, _Peer] = {}
+        self._dead: set[int] = set()
+        self._kills: list[_KillOrder] = []
+        self._pending: list[tuple[MPI.Request, np.ndarray]] = []
+        self._inbox = np.zeros(4, dtype=np.int64)
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-monitor", daemon=True)
+        self._ended = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "HangMonitor":
+        now = time.monotonic()
+        self._peers = {p: _Peer(last_heard=now) for p in self._watched}
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and tell the peers (a goodbye), so that a rank that ends early is not taken for frozen."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(2.0)
+        self._send_to(self._recipients(), _BYE, 0, 0)
+
+    # ---------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        req = self._post()
+        next_beat = 0.0
+        while not self._stop.is_set():
+            req = self._drain(req)
+            now = time.monotonic()
+            if now >= next_beat:
+                self._send_to(self._recipients(), _HEARTBEAT, self._seq, 0)
+                self._seq += 1
+                next_beat = now + HEARTBEAT_PERIOD_S
+            try:
+                self._check(now)
+            except Exception as exc:  # noqa: BLE001 - a monitor bug must not take the rank down silently
+                self._report({"reason": "monitor error", "detail": repr(exc)})
+            self._stop.wait(CHECK_INTERVAL_S)
+        self._cancel(req)
+
+    def _post(self) -> MPI.Request:
+        return self._comm.Irecv([self._inbox, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG)
+
+    def _drain(self, req: MPI.Request) -> MPI.Request:
+        while True:
+            try:
+                if not req.Test():
+                    return req
+            except MPI.Exception:  # a death interrupted the ANY_SOURCE receive: learn who, listen again
+                self._learn_failed()
+                return self._post() if req == MPI.REQUEST_NULL else req
+            kind, sender, a, _ = (int(x) for x in self._inbox)
+            self._handle(kind, sender, a)
+            req = self._post()
+
+    def _handle(self, kind: int, sender: int, a: int) -> None:
+        peer = self._peers.get(sender)
+        if kind == _HEARTBEAT and peer is not None:
+            peer.last_heard = time.monotonic()
+        elif kind == _BYE and peer is not None:
+            peer.bye = True
+        elif kind == _KILL and self.hosts[a] == self.hosts[self.rank] and a != self.rank:
+            self._kill_local(a)
+
+    def _learn_failed(self) -> None:
+        try:
+            self._comm.Ack_failed()
+            failed = self._comm.Get_failed()
+            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), self._group)
+            failed.Free()
+            self._dead.update(int(r) for r in ranks)
+        except MPI.Exception:
+            pass
+
+    # ---------------------------------------------------------------- decisions
+    def _check(self, now: float) -> None:
+        if self._ended:
+            return
+        self.margin.checks += 1
+        dead = self._dead | set(self._known_dead())
+        live = set(self._live_ranks()) - dead
+        for order in self._kills:
+            if not order.confirmed and (order.target in dead or order.target not in live):
+                order.confirmed = True
+        self._check_peers(now, live)
+        self._check_self(now)
+        self._check_kills(now)
+
+    def _check_peers(self, now: float, live: set[int]) -> None:
+        timeout = self.policy.timeout_s
+        for rank, peer in self._peers.items():
+            if peer.bye or peer.reported or rank not in live:
+                continue
+            silence = now - peer.last_heard
+            self.margin.max_silence_s = max(self.margin.max_silence_s, silence)
+            watchers = sorted(w for w in peers_of(self.layout, rank) if w in live)
+            turn = watchers.index(self.rank) if self.rank in watchers else len(watchers)
+            if silence < timeout + turn * HEARTBEAT_PERIOD_S:
+                continue
+            peer.reported = True
+            self._report({
+                "reason": "silent", "rank": rank, "host": self.hosts[rank], "pid": self.pids[rank],
+                "silent_s": round(silence, 3), "timeout_s": timeout,
+            })
+            self._kill(rank, now)
+
+    def _check_self(self, now: float) -> None:
+        progress = self.progress
+        state, where, since, step = progress.state, progress.where, progress.since, progress.step
+        idle = now - since
+        if state == BUSY:
+            self.margin.max_busy_s = max(self.margin.max_busy_s, idle)
+            limit = self.policy.busy_limit_s(where)
+            if idle >= limit:
+                self._report({"reason": "stuck", "rank": self.rank, "host": self.hosts[self.rank],
+                              "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit})
+                self._ended = True
+                os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            self.margin.max_waiting_s = max(self.margin.max_waiting_s, idle)
+            limit = self.policy.stall_limit_s
+            if idle >= limit and not any(not k.confirmed for k in self._kills):
+                self._give_up(f"rank {self.rank} waited {idle:.0f} s in {where} at step {step} (stall limit {limit:.0f} s) and no "
+                              "rank was found frozen or stuck")
+
+    def _check_kills(self, now: float) -> None:
+        for order in self._kills:
+            if not order.confirmed and now - order.at > KILL_CONFIRM_S:
+                self._give_up(f"rank {order.target} on host {self.hosts[order.target]} was found hung but is still "
+                              f"alive {KILL_CONFIRM_S:g} s after its kill was ordered (no live rank on that host?)")
+                return
+
+    # ---------------------------------------------------------------- actions
+    def _kill(self, target: int, now: float) -> None:
+        self._kills.append(_KillOrder(target, now))
+        if self.hosts[target] == self.hosts[self.rank]:
+            self._kill_local(target)
+            return
+        helpers = [r for r in self._live_ranks() if self.hosts[r] == self.hosts[target] and r != target
+                   and r not in self._dead]
+        self._send_to(helpers, _KILL, target, 0)
+
+    def _kill_local(self, target: int) -> None:
+        try:
+            os.kill(self.pids[target], signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # already gone
+        except OSError as exc:
+            self._report({"reason": "kill failed", "rank": target, "detail": repr(exc)})
+
+    def _give_up(self, reason: str) -> None:
+        self._ended = True
+        self._report({"reason": "unresolvable", "detail": reason})
+        self._end_job(reason)
+
+    def _report(self, record: dict) -> None:
+        record = {"event": "hang_detected", "by_rank": self.rank, "wall_time": time.time(), **record}
+        try:
+            self._on_hang(record)
+        except Exception:  # noqa: BLE001 - reporting must never stop the kill
+            pass
+
+    # ---------------------------------------------------------------- sending
+    def _recipients(self) -> list[int]:
+        live = set(self._live_ranks()) - self._dead
+        return [p for p in self._watched if p in live]
+
+    def _send_to(self, ranks: Sequence[int], kind: int, a: int, b: int) -> None:
+        self._pending = [(r, buf) for r, buf in self._pending if not _done(r)]
+        if len(self._pending) > MAX_PENDING_SENDS:
+            return
+        for dest in ranks:
+            buf = np.array([kind, self.rank, a, b], dtype=np.int64)
+            try:
+                self._pending.append((self._comm.Isend([buf, MPI.INT64_T], dest=dest, tag=HEARTBEAT_TAG), buf))
+            except MPI.Exception:
+                self._dead.add(dest)
+
+    @staticmethod
+    def _cancel(req: MPI.Request) -> None:
+        if req == MPI.REQUEST_NULL:
+            return
+        try:
+            req.Cancel()
+            req.Wait()
+        except MPI.Exception:
+            pass
+
+
+def _done(req: MPI.Request) -> bool:
+    try:
+        return bool(req.Test())
+    except MPI.Exception:
+        return True

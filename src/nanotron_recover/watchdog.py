@@ -1,0 +1,117 @@
+"""Start-up guard and the last resort that ends a whole job: no fault may stall a run forever.
+
+Before the fault-tolerant world is up nothing can recover a lost rank, and plain waiting never ends: a rank that
+dies before ``MPI_Init`` leaves the others inside ``MPI_Init`` for ever, a frozen rank stalls the torch
+rendezvous, and MPI has no timeout. So each rank forks a tiny watchdog process first thing, before it imports
+torch or mpi4py (:class:`StartupWatchdog`). Unless the rank disarms it once every rank agreed that start-up is
+complete, the watchdog says why and ends the job (:func:`end_job`) after ``startup_timeout_s``. The watchdog is a
+process of its own, so it also ends a rank that was frozen (SIGSTOP runs none of a process's threads) or that is
+stuck in C code holding the GIL.
+
+:func:`end_job` ends every rank of the job at once, frozen ones included: it SIGTERMs the rank's Open MPI daemon
+(``prterun`` / ``prted``), which tears the whole job down (on another node, a lost daemon ends the job too; see
+FACTS.md). The run dir then holds no final step, so the Slurm outcome helper says "restart" and the relaunch
+resumes from ``latest.txt``.
+
+Standard library only: this module runs before ``MPI_Init``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import time
+
+# Names of Open MPI 5's launcher / daemon processes (the parent of every rank it starts).
+MPI_DAEMONS = frozenset({"prterun", "prted", "mpirun", "mpiexec"})
+_DISARM = b"R"
+
+
+def _process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _say(message: str) -> None:
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a closed stderr must not stop us ending the job
+        pass
+
+
+def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = None) -> None:
+    """End the whole job now: SIGKILL ``rank_pid`` (default: this process) and SIGTERM its MPI daemon.
+
+    When the parent is not an Open MPI daemon (a rank started by hand), only the rank is killed.
+    """
+    rank_pid = os.getpid() if rank_pid is None else rank_pid
+    daemon_pid = os.getppid() if daemon_pid is None else daemon_pid
+    _say(f"[nanotron-recover] ending the job (restart outcome): {reason}")
+    if _process_name(daemon_pid) in MPI_DAEMONS:
+        try:
+            os.kill(daemon_pid, signal.SIGTERM)
+        except OSError:
+            pass
+    try:
+        os.kill(rank_pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class StartupWatchdog:
+    """A forked child that ends the job unless :meth:`disarm` is called within ``timeout_s``.
+
+    The child holds only the read end of a pipe: a byte means "start-up complete" (it exits quietly), end of file
+    means the rank is gone (it exits quietly too: a dead rank is the daemon's business). Forking happens before any
+    thread or MPI exists in the rank, so it is safe.
+    """
+
+    def __init__(self, timeout_s: float, label: str) -> None:
+        self.timeout_s = timeout_s
+        self.label = label
+        self.started = time.monotonic()
+        read_fd, self._write_fd = os.pipe()
+        rank_pid, daemon_pid = os.getpid(), os.getppid()
+        self.child_pid = os.fork()
+        if self.child_pid == 0:  # the watchdog
+            os.close(self._write_fd)
+            code = 0
+            try:
+                ready, _, _ = select.select([read_fd], [], [], timeout_s)
+                if not ready:
+                    end_job(
+                        f"{label} not ready to train after startup_timeout_s={timeout_s:g} s "
+                        "(a rank died or hung during start-up: imports, MPI_Init, rendezvous, model build or "
+                        "checkpoint load)",
+                        rank_pid=rank_pid,
+                        daemon_pid=daemon_pid,
+                    )
+            except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
+                code = 1
+            os._exit(code)
+        os.close(read_fd)
+
+    @property
+    def armed(self) -> bool:
+        return self._write_fd is not None
+
+    def disarm(self) -> None:
+        """Start-up is complete: the watchdog exits."""
+        if self._write_fd is None:
+            return
+        try:
+            os.write(self._write_fd, _DISARM)
+            os.close(self._write_fd)
+        except OSError:
+            pass
+        self._write_fd = None
+        try:
+            os.waitpid(self.child_pid, 0)
+        except ChildProcessError:
+            pass

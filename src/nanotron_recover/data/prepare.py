@@ -235,6 +235,17 @@ def _clear_outputs(output: Path, overwrite: bool) -> None:
     (output / MANIFEST_NAME).unlink(missing_ok=True)
 
 
+@dataclass
+class _TokenizerInfo:
+    """The tokenizer beside the data: where it is, its vocabulary and end-of-document token."""
+
+    path: Path
+    vocab: dict[str, int]
+    vocab_size: int
+    eos: str | None
+    trained: bool
+
+
 def prepare_data(
     input_path: str | Path | None,
     output_folder: str | Path,
@@ -254,139 +265,185 @@ def prepare_data(
     ``shuffle``/``seed`` control the (deterministic) document order in the merged token file.
     """
     say = log or (lambda _msg: None)
-    output = Path(output_folder).expanduser().resolve()
-    if output.exists() and not output.is_dir():
-        raise DataPreparationError(f"output {output} exists and is not a folder")
-    output.mkdir(parents=True, exist_ok=True)
-    _clear_outputs(output, overwrite)
+    output = _prepare_output(output_folder, overwrite)
     work = output / WORK_DIR_NAME
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     seconds: dict[str, float] = {}
     try:
-        # 1. source
-        t0 = time.perf_counter()
-        source = _resolve_source(input_path, work, text_key)
-        _scan(source)
-        seconds["source"] = time.perf_counter() - t0
-        skipped = f", {source.empty_documents} empty skipped" if source.empty_documents else ""
-        say(
-            f"[prepare-data] source: {source.documents} documents{skipped}, {source.characters / 1e6:.2f} M chars "
-            f"in {len(source.files)} file(s) from {source.description} ({seconds['source']:.1f} s)"
-        )
-
-        # 2. tokenizer
-        t0 = time.perf_counter()
-        from tokenizers import Tokenizer
-
-        out_tokenizer = output / TOKENIZER_NAME
-        trained = tokenizer_path is None
-        if trained:
-            train_bpe_tokenizer(_iter_source_texts(source), vocab_size, out_tokenizer, eos_token or DEFAULT_EOS)
-        else:
-            given = Path(tokenizer_path).expanduser().resolve()
-            if not given.is_file():
-                raise DataPreparationError(f"tokenizer file {given} does not exist (a local tokenizer.json is required)")
-            try:
-                Tokenizer.from_file(str(given))
-            except Exception as exc:  # tokenizers raises a bare Exception on parse errors
-                raise DataPreparationError(f"{given} is not a valid tokenizers tokenizer.json: {exc}") from None
-            if given != out_tokenizer:
-                shutil.copyfile(given, out_tokenizer)
-        tokenizer = Tokenizer.from_file(str(out_tokenizer))
-        vocab = tokenizer.get_vocab(with_added_tokens=True)
-        real_vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        eos = _pick_eos(vocab, eos_token)
-        seconds["tokenizer"] = time.perf_counter() - t0
-        say(
-            f"[prepare-data] tokenizer: {'trained byte-level BPE' if trained else 'copied'} -> {out_tokenizer} "
-            f"(vocab {real_vocab_size}, eos {eos!r}) ({seconds['tokenizer']:.1f} s)"
-        )
-        if eos is None:
-            say("[prepare-data] warning: no end-of-document token found; documents are concatenated without separator")
-
-        # 3. tokenize + 4. merge (datatrove)
-        from loguru import logger as _loguru
-
-        from datatrove.pipeline.readers import JsonlReader
-        from datatrove.pipeline.tokens import DocumentTokenizer, DocumentTokenizerMerger
-
-        paths_file = work / "paths.txt"
-        paths_file.write_text("\n".join(source.files) + "\n", encoding="utf-8")
-        tokenized = work / "tokenized"
-        _loguru.disable("datatrove")
-        try:
-            t0 = time.perf_counter()
-            reader = JsonlReader(
-                str(source.root), paths_file=str(paths_file), text_key=source.text_key, add_file_path=False
-            )
-            doc_tokenizer = DocumentTokenizer(
-                output_folder=str(tokenized),
-                tokenizer_name_or_path=str(out_tokenizer),
-                eos_token=eos,
-                shuffle_documents=False,
-                seed=seed,
-            )
-            doc_tokenizer.run(reader.run(None, rank=0, world_size=1), rank=0, world_size=1)
-            token_size = int(doc_tokenizer.token_size)
-            seconds["tokenize"] = time.perf_counter() - t0
-            try:
-                counted = f"{int(doc_tokenizer.stats['tokens'].total)} tokens"
-            except Exception:  # stats layout is datatrove-internal; the count is cosmetic here
-                counted = "done"
-            say(
-                f"[prepare-data] tokenize: datatrove DocumentTokenizer, {counted} "
-                f"({token_size}-byte ids) ({seconds['tokenize']:.1f} s)"
-            )
-
-            t0 = time.perf_counter()
-            merger = DocumentTokenizerMerger(
-                input_folder=str(tokenized),
-                output_folder=str(output),
-                save_filename=TOKENS_BASENAME,
-                shuffle=shuffle,
-                seed=seed,
-                progress=False,
-            )
-            merger.run(None, rank=0, world_size=1)
-            seconds["merge"] = time.perf_counter() - t0
-        finally:
-            _loguru.enable("datatrove")
-        files = sorted(p.name for p in output.glob("*.ds"))
-        if not files:
-            raise DataPreparationError("datatrove wrote no token file (was every document empty?)")
-        num_tokens = sum((output / name).stat().st_size for name in files) // token_size
-        say(
-            f"[prepare-data] merge: {num_tokens} tokens in {', '.join(files)} "
-            f"(shuffle={shuffle}, seed={seed}) ({seconds['merge']:.1f} s)"
-        )
-
-        # 5. manifest
+        source = _read_source(input_path, work, text_key, say, seconds)
+        tokenizer = _install_tokenizer(source, tokenizer_path, vocab_size, eos_token, output, say, seconds)
+        files, num_tokens, token_size = _tokenize_and_merge(source, tokenizer, output, work, shuffle, seed, say, seconds)
         result = PrepareResult(
             output_folder=str(output),
             tokenizer_path=TOKENIZER_NAME,
-            vocab_size=real_vocab_size,
+            vocab_size=tokenizer.vocab_size,
             num_documents=source.documents,
             num_tokens=num_tokens,
             dtype="uint32" if token_size == 4 else "uint16",
             token_size=token_size,
-            eos_token=eos,
-            eos_token_id=vocab.get(eos) if eos else None,
+            eos_token=tokenizer.eos,
+            eos_token_id=tokenizer.vocab.get(tokenizer.eos) if tokenizer.eos else None,
             files=files,
             source=source.description,
             seed=seed,
             shuffle=shuffle,
-            tokenizer_trained=trained,
+            tokenizer_trained=tokenizer.trained,
             seconds={k: round(v, 3) for k, v in seconds.items()},
         )
-        manifest = asdict(result)
-        manifest.pop("output_folder")
-        manifest["format"] = "datatrove-tokens-v1"
-        (output / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        _write_manifest(result, output)
         say(f"[prepare-data] done: {output / MANIFEST_NAME} ({sum(seconds.values()):.1f} s total)")
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _prepare_output(output_folder: str | Path, overwrite: bool) -> Path:
+    """The output folder, created; earlier prepared data in it is refused unless ``overwrite`` (then removed),
+    so a folder never mixes token files of two preparations."""
+    output = Path(output_folder).expanduser().resolve()
+    if output.exists() and not output.is_dir():
+        raise DataPreparationError(f"output {output} exists and is not a folder")
+    output.mkdir(parents=True, exist_ok=True)
+    _clear_outputs(output, overwrite)
+    return output
+
+
+def _read_source(
+    input_path: str | Path | None, work: Path, text_key: str, say: Callable[[str], None], seconds: dict[str, float]
+) -> _Source:
+    """Stage 1: resolve and validate the input, counting documents (an empty corpus fails here, before any
+    tokenizer is trained)."""
+    t0 = time.perf_counter()
+    source = _resolve_source(input_path, work, text_key)
+    _scan(source)
+    seconds["source"] = time.perf_counter() - t0
+    skipped = f", {source.empty_documents} empty skipped" if source.empty_documents else ""
+    say(
+        f"[prepare-data] source: {source.documents} documents{skipped}, {source.characters / 1e6:.2f} M chars "
+        f"in {len(source.files)} file(s) from {source.description} ({seconds['source']:.1f} s)"
+    )
+    return source
+
+
+def _install_tokenizer(
+    source: _Source,
+    tokenizer_path: str | Path | None,
+    vocab_size: int,
+    eos_token: str | None,
+    output: Path,
+    say: Callable[[str], None],
+    seconds: dict[str, float],
+) -> _TokenizerInfo:
+    """Stage 2: put ``tokenizer.json`` beside the data (trained on the corpus, or a validated copy of the given
+    file), so the output folder alone reproduces the run."""
+    t0 = time.perf_counter()
+    from tokenizers import Tokenizer
+
+    out_tokenizer = output / TOKENIZER_NAME
+    trained = tokenizer_path is None
+    if trained:
+        train_bpe_tokenizer(_iter_source_texts(source), vocab_size, out_tokenizer, eos_token or DEFAULT_EOS)
+    else:
+        given = Path(tokenizer_path).expanduser().resolve()
+        if not given.is_file():
+            raise DataPreparationError(f"tokenizer file {given} does not exist (a local tokenizer.json is required)")
+        try:
+            Tokenizer.from_file(str(given))
+        except Exception as exc:  # tokenizers raises a bare Exception on parse errors
+            raise DataPreparationError(f"{given} is not a valid tokenizers tokenizer.json: {exc}") from None
+        if given != out_tokenizer:
+            shutil.copyfile(given, out_tokenizer)
+    tokenizer = Tokenizer.from_file(str(out_tokenizer))
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    info = _TokenizerInfo(out_tokenizer, vocab, tokenizer.get_vocab_size(with_added_tokens=True),
+                          _pick_eos(vocab, eos_token), trained)
+    seconds["tokenizer"] = time.perf_counter() - t0
+    say(
+        f"[prepare-data] tokenizer: {'trained byte-level BPE' if trained else 'copied'} -> {out_tokenizer} "
+        f"(vocab {info.vocab_size}, eos {info.eos!r}) ({seconds['tokenizer']:.1f} s)"
+    )
+    if info.eos is None:
+        say("[prepare-data] warning: no end-of-document token found; documents are concatenated without separator")
+    return info
+
+
+def _tokenize_and_merge(
+    source: _Source,
+    tokenizer: _TokenizerInfo,
+    output: Path,
+    work: Path,
+    shuffle: bool,
+    seed: int,
+    say: Callable[[str], None],
+    seconds: dict[str, float],
+) -> tuple[list[str], int, int]:
+    """Stages 3 and 4 (datatrove, in-process): tokenize into ``work``, then merge with a seeded document shuffle
+    into ``output``. Returns the token files, the token count and the bytes per token id."""
+    from loguru import logger as _loguru
+
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens import DocumentTokenizer, DocumentTokenizerMerger
+
+    paths_file = work / "paths.txt"
+    paths_file.write_text("\n".join(source.files) + "\n", encoding="utf-8")
+    tokenized = work / "tokenized"
+    _loguru.disable("datatrove")
+    try:
+        t0 = time.perf_counter()
+        reader = JsonlReader(
+            str(source.root), paths_file=str(paths_file), text_key=source.text_key, add_file_path=False
+        )
+        doc_tokenizer = DocumentTokenizer(
+            output_folder=str(tokenized),
+            tokenizer_name_or_path=str(tokenizer.path),
+            eos_token=tokenizer.eos,
+            shuffle_documents=False,
+            seed=seed,
+        )
+        doc_tokenizer.run(reader.run(None, rank=0, world_size=1), rank=0, world_size=1)
+        token_size = int(doc_tokenizer.token_size)
+        seconds["tokenize"] = time.perf_counter() - t0
+        try:
+            counted = f"{int(doc_tokenizer.stats['tokens'].total)} tokens"
+        except Exception:  # stats layout is datatrove-internal; the count is cosmetic here
+            counted = "done"
+        say(
+            f"[prepare-data] tokenize: datatrove DocumentTokenizer, {counted} "
+            f"({token_size}-byte ids) ({seconds['tokenize']:.1f} s)"
+        )
+
+        t0 = time.perf_counter()
+        merger = DocumentTokenizerMerger(
+            input_folder=str(tokenized),
+            output_folder=str(output),
+            save_filename=TOKENS_BASENAME,
+            shuffle=shuffle,
+            seed=seed,
+            progress=False,
+        )
+        merger.run(None, rank=0, world_size=1)
+        seconds["merge"] = time.perf_counter() - t0
+    finally:
+        _loguru.enable("datatrove")
+    files = sorted(p.name for p in output.glob("*.ds"))
+    if not files:
+        raise DataPreparationError("datatrove wrote no token file (was every document empty?)")
+    num_tokens = sum((output / name).stat().st_size for name in files) // token_size
+    say(
+        f"[prepare-data] merge: {num_tokens} tokens in {', '.join(files)} "
+        f"(shuffle={shuffle}, seed={seed}) ({seconds['merge']:.1f} s)"
+    )
+    return files, num_tokens, token_size
+
+
+def _write_manifest(result: PrepareResult, output: Path) -> None:
+    """Stage 5: ``dataset.json``, what a run needs to read the files back (paths relative to the folder, which
+    may move)."""
+    manifest = asdict(result)
+    manifest.pop("output_folder")
+    manifest["format"] = "datatrove-tokens-v1"
+    (output / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

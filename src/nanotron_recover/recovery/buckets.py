@@ -75,21 +75,15 @@ class GradBuckets:
         if snapshot_slots < 1:
             raise ValueError(f"snapshot_slots must be >= 1, got {snapshot_slots}")
         self.device = torch.device(device)
-        seen: set[int] = set()
-        params: list[tuple[str, torch.nn.Parameter]] = []
-        for name, p in named_params:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append((name, p))
-        # A rank may own no trainable parameter (a pipeline stage holding only the loss): it then has one empty
-        # bucket, so it still takes part in every cross-replica collective of its coordinate.
-        for name, p in params:
-            p = local_tensor(p)
-            if p.device != self.device and not (self.device.index is None and p.device.type == self.device.type):
-                raise ValueError(f"param {name} is on {p.device}, buffer on {self.device}")
         self.cap_numel = max(1, int(bucket_cap_mb * 2**20) // _FP32_BYTES)
+        self._lay_out(_trainable_params(named_params, self.device))
+        self._allocate_buffer()
+        self._allocate_host_staging()
+        self._allocate_snapshots(snapshot_slots, snapshot_device)
 
-        # Layout: reverse order, greedy packing under the cap.
+    def _lay_out(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """Offsets of every parameter and the bucket ranges: reverse registration order (the last layers'
+        gradients are ready first in backward), greedy packing under the cap, a parameter never split."""
         self._params = list(reversed(params))
         self._offsets: list[tuple[int, int]] = []
         self.bucket_ranges: list[tuple[int, int]] = []
@@ -109,6 +103,9 @@ class GradBuckets:
         self.bucket_ranges.append((start, off))
         self.numel = off
 
+    def _allocate_buffer(self) -> None:
+        """The flat fp32 buffer, its bucket and parameter views, and each gradient bound to its view (once:
+        nothing on the step path allocates)."""
         self.flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self._views = [self.flat[a:b] for a, b in self.bucket_ranges]
         self._param_views = [
@@ -117,7 +114,9 @@ class GradBuckets:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._bind()
 
-        # Host staging for MPI (CUDA buffers only), allocated once.
+    def _allocate_host_staging(self) -> None:
+        """Host copies for MPI where the buffer is on a device MPI cannot read (CUDA: the Open MPI wheel is not
+        CUDA-aware); on CPU the numpy views are zero-copy views of the buffer itself."""
         if needs_host_staging(self.device):
             self._host = torch.empty(self.numel, dtype=torch.float32, pin_memory=torch.cuda.is_available())
             self._host_views = [self._host[a:b] for a, b in self.bucket_ranges]
@@ -126,7 +125,9 @@ class GradBuckets:
             self._host_views = self._views
         self._np_views = [v.numpy() for v in self._host_views]
 
-        # Snapshot slots, allocated once.
+    def _allocate_snapshots(self, snapshot_slots: int, snapshot_device: torch.device | str | None) -> None:
+        """``snapshot_slots`` full-size snapshot buffers (pinned when a CUDA buffer snapshots to CPU) and the
+        per-slot bookkeeping: which step holds the slot, its epoch, which buckets are marked in this attempt."""
         snap_dev = torch.device(snapshot_device) if snapshot_device is not None else self.device
         pin = snap_dev.type == "cpu" and self.device.type == "cuda" and torch.cuda.is_available()
         self._snaps = [
@@ -304,6 +305,27 @@ class GradBuckets:
         """Latest world epoch used for ``step``'s snapshots (kept across restores), None if it holds none."""
         k = self._slot(step)
         return None if k is None else self._slot_epoch[k]
+
+
+def _trainable_params(
+    named_params: Sequence[tuple[str, torch.nn.Parameter]], device: torch.device
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that get a gradient slot: ``requires_grad``, each (tied) parameter once, all on ``device``.
+
+    A rank may own no trainable parameter (a pipeline stage holding only the loss): it then has one empty
+    bucket, so it still takes part in every cross-replica collective of its coordinate.
+    """
+    seen: set[int] = set()
+    params: list[tuple[str, torch.nn.Parameter]] = []
+    for name, p in named_params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append((name, p))
+    for name, p in params:
+        t = local_tensor(p)
+        if t.device != device and not (device.index is None and t.device.type == device.type):
+            raise ValueError(f"param {name} is on {t.device}, buffer on {device}")
+    return params
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,24 @@
-"""Metrics: JSONL per line, wandb offline run holding the loss history, logging-rank handover, no crash on wandb errors."""
+"""Metrics: JSONL per line, wandb offline runs and logging-rank handover, the JSONL -> wandb replay after a lost
+logging rank (in-process, against a fake wandb), no crash on wandb errors."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from nanotron_recover.metrics import MetricsLogger, find_wandb_run_files, read_metrics_jsonl, read_wandb_history
+from nanotron_recover.metrics import (
+    MetricsLogger,
+    find_wandb_run_files,
+    read_logged_step,
+    read_metrics_jsonl,
+    wandb_replay,
+)
 
 
 def test_jsonl_lines_are_flushed_and_only_on_the_logging_rank(tmp_path: Path) -> None:
@@ -49,7 +56,7 @@ def test_wandb_import_is_lazy(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_wandb_offline_run_holds_loss_history_and_survives_handover(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_runs_share_one_id_across_a_handover(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_MODE", raising=False)  # default must be offline: no network, no login
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -61,6 +68,7 @@ def test_wandb_offline_run_holds_loss_history_and_survives_handover(tmp_path: Pa
     first.log_event({"event": "repair", "step": 2, "world_epoch": 1, "recovery_s": 0.4})
     assert first.wandb_active
     first.close()
+    assert read_logged_step(run) == 2  # wandb finished: rows up to step 2 are on disk
 
     # the logging rank moves to another process: it starts logging into the same run folder and run id
     second = MetricsLogger(run, enabled=False, wandb_config={"project": "test"})
@@ -73,11 +81,87 @@ def test_wandb_offline_run_holds_loss_history_and_survives_handover(tmp_path: Pa
     files = find_wandb_run_files(run / "wandb")
     assert len(files) == 2 and all(f.parent.name.startswith("offline-run-") for f in files)
     assert len({f.name for f in files}) == 1  # one run id shared by both halves
-    history = [row for f in files for row in read_wandb_history(f)]
-    assert [(row["_step"], row["loss"]) for row in history] == list(enumerate(losses))
-    assert history[2]["repair/world_epoch"] == 1 and history[2]["repair/recovery_s"] == 0.4
-    jsonl = read_metrics_jsonl(run)
-    assert [r["loss"] for r in jsonl if "loss" in r] == losses
+    assert read_logged_step(run) == 4
+    assert [r["loss"] for r in read_metrics_jsonl(run) if "loss" in r] == losses
+
+
+class _FakeRun:
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs, self.rows, self.finished = kwargs, [], False
+
+    def log(self, data: dict[str, Any], step: int | None = None) -> None:
+        self.rows.append((step, dict(data)))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[_FakeRun]:
+    """``import wandb`` gets a stand-in that records what each run was sent; returns the runs, in start order."""
+    runs: list[_FakeRun] = []
+    module = types.ModuleType("wandb")
+    module.Settings = lambda **kwargs: kwargs  # type: ignore[attr-defined]
+    module.init = lambda **kwargs: runs.append(_FakeRun(kwargs)) or runs[-1]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def _die(logger: MetricsLogger) -> None:
+    """What a SIGKILL leaves: the JSONL lines written so far, no wandb finish, no sidecar update."""
+    assert logger._file is not None
+    logger._file.close()
+
+
+def test_replay_plan_takes_the_records_after_the_sidecar_and_before_the_next_step() -> None:
+    records = [
+        {"step": 1, "loss": 4.0, "time": 1.0},
+        {"step": 2, "loss": 3.0, "time": 2.0},
+        {"event": "repair", "step": 2, "world_epoch": 1, "failed_replicas": [1]},
+        {"step": 3, "loss": 2.0, "tokens": 64},
+        {"step": 2, "loss": 3.0},  # an older copy of a replayed step: wandb steps only increase
+        {"event": "stopped", "reason": "no step"},
+        {"step": 4, "loss": 1.0},
+    ]
+    assert wandb_replay(records, logged_step=1, before_step=4) == [
+        (2, {"loss": 3.0}), (2, {"repair/world_epoch": 1}), (3, {"loss": 2.0, "tokens": 64})]
+    assert [s for s, _ in wandb_replay(records, logged_step=None)] == [1, 2, 2, 3, 4]
+    assert wandb_replay(records, logged_step=4) == [] and wandb_replay(records, None, before_step=1) == []
+
+
+def test_a_logging_rank_lost_without_finishing_wandb_is_replayed_in_full(tmp_path: Path, fake_wandb: list[_FakeRun]) -> None:
+    first = MetricsLogger(tmp_path, True, {"project": "test"})
+    for step in range(4):
+        first.log_step({"step": step, "loss": 10.0 - step})
+    _die(first)  # its wandb rows may never have reached the disk
+    heir = MetricsLogger(tmp_path, False, {"project": "test"})
+    heir.set_logging(True)
+    heir.log_step({"step": 3, "loss": 7.0})  # the heir re-logs the last committed step first (resilient.py)
+    heir.log_step({"step": 4, "loss": 6.0})
+    heir.close()
+    dead, new = fake_wandb
+    assert new.kwargs["id"] == dead.kwargs["id"] and new.kwargs["resume"] == "allow"
+    assert [(step, row["loss"]) for step, row in new.rows] == [(s, 10.0 - s) for s in range(5)]
+    assert new.finished and read_logged_step(tmp_path) == 4
+
+
+def test_after_a_clean_finish_only_the_later_records_are_replayed(tmp_path: Path, fake_wandb: list[_FakeRun]) -> None:
+    with MetricsLogger(tmp_path, True, {"project": "test"}) as first:  # finishes wandb: sidecar = 1
+        first.log_step({"step": 0, "loss": 5.0})
+        first.log_step({"step": 1, "loss": 4.0})
+    assert read_logged_step(tmp_path) == 1
+    second = MetricsLogger(tmp_path, True, {"project": "test"})
+    second.log_step({"step": 2, "loss": 3.0})
+    second.log_event({"event": "repair", "step": 2, "world_epoch": 1})
+    second.log_step({"step": 3, "loss": 2.0})
+    _die(second)
+    with MetricsLogger(tmp_path, True, {"project": "test"}) as third:
+        third.log_step({"step": 4, "loss": 1.0})
+    assert [(step, sorted(row)) for step, row in fake_wandb[1].rows] == [
+        (2, ["loss"]), (2, ["repair/world_epoch"]), (3, ["loss"])]
+    assert [(step, sorted(row)) for step, row in fake_wandb[2].rows] == [
+        (2, ["loss"]), (2, ["repair/world_epoch"]), (3, ["loss"]), (4, ["loss"])]
+    assert read_logged_step(tmp_path) == 4
 
 
 def test_wandb_failure_does_not_stop_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -101,30 +185,3 @@ def test_wandb_can_be_switched_off_in_config(tmp_path: Path) -> None:
     log.log_step({"step": 0, "loss": 1.0})
     assert not log.wandb_active and not (tmp_path / "wandb").exists()
     log.close()
-
-
-_KILLED_LOGGER = """
-import os, signal, sys
-from nanotron_recover.metrics import MetricsLogger
-log = MetricsLogger(sys.argv[1], True, {"project": "test"})
-for step in range(4):
-    log.log_step({"step": step, "loss": 10.0 - step})
-os.kill(os.getpid(), signal.SIGKILL)  # the logging rank dies without closing anything
-"""
-
-
-def test_takeover_after_sigkill_replays_lost_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    run = tmp_path / "run"
-    # a separate rank, not a child sharing this process's wandb-core service (WANDB_SERVICE)
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    proc = subprocess.run([sys.executable, "-c", _KILLED_LOGGER, str(run)], timeout=60, capture_output=True, env=env)
-    assert proc.returncode == -9
-    assert [r["step"] for r in read_metrics_jsonl(run)] == [0, 1, 2, 3]
-    heir = MetricsLogger(run, enabled=False, wandb_config={"project": "test"})
-    heir.set_logging(True)
-    heir.log_step({"step": 4, "loss": 6.0})
-    heir.log_step({"step": 5, "loss": 5.0})
-    heir.close()
-    rows = [row for f in find_wandb_run_files(run / "wandb") for row in read_wandb_history(f)]
-    assert sorted((row["_step"], row["loss"]) for row in rows) == [(s, 10.0 - s) for s in range(6)]

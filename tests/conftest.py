@@ -50,3 +50,59 @@ def make_tiny_config(
 @pytest.fixture
 def tiny_config():
     return make_tiny_config
+
+
+# ---------------------------------------------------------------------------------------------- hang detector
+# Every fault-tolerant run of the suite has the hang monitor on. At the end of the session, scan every run dir the
+# tests made: a ``hang_detected`` event in a run that injected no SIGSTOP / hang is a false alarm (it fails the
+# session), and the closest any run came to its timeout is printed (the margin).
+def _scan_hang_records(base: Path) -> tuple[list[str], list[dict]]:
+    import json
+
+    false_alarms, margins = [], []
+    for metrics in base.rglob("metrics.jsonl"):
+        run_dir = metrics.parent
+        injected = run_dir / "injected"
+        expected = injected.is_dir() and any(m.name.endswith(("-stop", "-hang")) for m in injected.iterdir())
+        for line in metrics.read_text(errors="replace").splitlines():
+            if '"hang_detected"' in line and not expected:
+                false_alarms.append(f"{run_dir}: {line[:300]}")
+        for exit_record in (run_dir / "exits").glob("rank-*.json"):
+            try:
+                margin = json.loads(exit_record.read_text()).get("hang_margin")
+            except ValueError:
+                continue
+            if margin and not expected:
+                margins.append(margin)
+    return false_alarms, margins
+
+
+def pytest_sessionfinish(session, exitstatus):
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    try:
+        base = factory.getbasetemp()
+    except Exception:  # noqa: BLE001 - no tmp dir was made
+        return
+    false_alarms, margins = _scan_hang_records(base)
+    session.config._hang_report = (false_alarms, margins)
+    if false_alarms:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    false_alarms, margins = getattr(config, "_hang_report", ([], []))
+    if not margins and not false_alarms:
+        return
+    terminalreporter.section("hang detector")
+    if margins:
+        busy = max(m["max_busy_s"] for m in margins)
+        silence = max(m["max_silence_s"] for m in margins)
+        ratio = max(max(m["max_busy_s"], m["max_silence_s"]) / m["timeout_s"] for m in margins)
+        terminalreporter.write_line(
+            f"{len(margins)} rank records of failure-free-of-hangs runs: longest busy stretch without progress "
+            f"{busy:.2f} s, longest silence {silence:.2f} s; worst ratio to the rank's timeout {ratio:.3f}"
+        )
+    for alarm in false_alarms:
+        terminalreporter.write_line(f"FALSE ALARM: {alarm}")

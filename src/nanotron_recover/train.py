@@ -23,6 +23,7 @@ from nanotron_recover.inject import INJECTED_DIR, FailureInjector
 from nanotron_recover.watchdog import StartupWatchdog, end_job
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
+EXITS_DIR = "exits"
 
 
 @dataclass
@@ -87,7 +88,8 @@ def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | N
     if peek is None:
         return None
     ft, rpr = peek
-    watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}")
+    record = Path(run_dir) / EXITS_DIR / f"rank-{rank}.json" if run_dir else None
+    watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}", exit_record=record)
     try:
         fired = Path(run_dir) / INJECTED_DIR if run_dir else None
         injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, fired_dir=fired)
@@ -99,9 +101,9 @@ def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | N
 
 def record_exit(run_dir: Path, rank: int, code: int, reason: str, **extra: Any) -> None:
     """``<run_dir>/exits/rank-<r>.json``: how each rank ended (mpirun's own exit code says little under ULFM)."""
-    folder = run_dir / "exits"
+    folder = run_dir / EXITS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "code": code, "reason": reason, **extra}
+    record = {"rank": rank, "code": code, "reason": reason, **{k: v for k, v in extra.items() if v}}
     (folder / f"rank-{rank}.json").write_text(json.dumps(record))
 
 

@@ -18,6 +18,9 @@ Standard library only: this module runs before ``MPI_Init``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import json
 import os
 import select
 import signal
@@ -64,6 +67,17 @@ def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = N
         pass
 
 
+def _write_exit_record(path: Path, reason: str) -> None:
+    from nanotron_recover.exit_codes import EXIT_RESTART
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rank = int(path.stem.split("-")[-1])
+        path.write_text(json.dumps({"rank": rank, "code": EXIT_RESTART, "reason": reason}))
+    except (OSError, ValueError):
+        pass
+
+
 class StartupWatchdog:
     """A forked child that ends the job unless :meth:`disarm` is called within ``timeout_s``.
 
@@ -72,7 +86,9 @@ class StartupWatchdog:
     thread or MPI exists in the rank, so it is safe.
     """
 
-    def __init__(self, timeout_s: float, label: str) -> None:
+    def __init__(self, timeout_s: float, label: str, exit_record: Path | None = None) -> None:
+        """``exit_record``: where to write ``{"rank", "code": 3, "reason"}`` if the watchdog fires (the rank's own
+        record, ``<run_dir>/exits/rank-<r>.json``)."""
         self.timeout_s = timeout_s
         self.label = label
         self.started = time.monotonic()
@@ -85,13 +101,14 @@ class StartupWatchdog:
             try:
                 ready, _, _ = select.select([read_fd], [], [], timeout_s)
                 if not ready:
-                    end_job(
+                    reason = (
                         f"{label} not ready to train after startup_timeout_s={timeout_s:g} s "
                         "(a rank died or hung during start-up: imports, MPI_Init, rendezvous, model build or "
-                        "checkpoint load)",
-                        rank_pid=rank_pid,
-                        daemon_pid=daemon_pid,
+                        "checkpoint load)"
                     )
+                    if exit_record is not None:
+                        _write_exit_record(exit_record, reason)
+                    end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
             except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
                 code = 1
             os._exit(code)

@@ -8,9 +8,10 @@ ranks and replica ids; communicator ranks change after every ``Shrink`` and are 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-from mpi4py import MPI
+if TYPE_CHECKING:  # the grid itself is pure; mpi4py (MPI_Init) is imported by the helpers that need it
+    from mpi4py import MPI
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class ReplicaLayout:
         return replica * self.ranks_per_replica + local_rank
 
 
-def original_ranks(comm: MPI.Comm, original_group: MPI.Group) -> list[int]:
+def original_ranks(comm: "MPI.Comm", original_group: "MPI.Group") -> list[int]:
     """ORIGINAL world ranks of ``comm``'s members, in ``comm`` rank order."""
+    from mpi4py import MPI
+
     group = comm.Get_group()
     try:
         return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), original_group))
@@ -57,13 +60,15 @@ def original_ranks(comm: MPI.Comm, original_group: MPI.Group) -> list[int]:
 
 
 def split_coord_comm(
-    world_comm: MPI.Comm, layout: ReplicaLayout, my_rank: int, active_replicas: Sequence[int]
-) -> MPI.Comm | None:
+    world_comm: "MPI.Comm", layout: ReplicaLayout, my_rank: int, active_replicas: Sequence[int]
+) -> "MPI.Comm | None":
     """Collective over ``world_comm``: one communicator per local rank across the active replicas.
 
     Keyed by original rank, so coord rank ``i`` is the i-th active replica in ascending order.  A rank of an
     inactive (spare) replica gets ``None``.
     """
+    from mpi4py import MPI
+
     active = layout.replica_of(my_rank) in set(active_replicas)
     color = layout.local_rank_of(my_rank) if active else MPI.UNDEFINED
     comm = world_comm.Split(color, my_rank)
@@ -73,8 +78,10 @@ def split_coord_comm(
     return comm
 
 
-def try_revoke(comm: MPI.Comm | None) -> None:
+def try_revoke(comm: "MPI.Comm | None") -> None:
     """Revoke ``comm``, ignoring errors: revoking is how a rank pulls every peer out of a blocked operation."""
+    from mpi4py import MPI
+
     if comm is None or comm == MPI.COMM_NULL:
         return
     try:

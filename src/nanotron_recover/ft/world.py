@@ -21,7 +21,8 @@ from mpi4py import MPI
 from .detector import DETECTOR_HEARTBEAT_TIMEOUT_S
 from .errors import FailureDetected, ReplicaEvicted, error_class
 from .events import RepairEvent
-from .hang import HangMonitor, HangPolicy, MainThreadProgress
+from .hang import HangMonitor
+from .hang_policy import HangPolicy, MainThreadProgress
 from .layout import ReplicaLayout, split_coord_comm, try_revoke
 from .repair import HEALTHY_BIT, run_repair
 from .watcher import FailureWatcher
@@ -106,6 +107,7 @@ class FTWorld:
         self._notice_times: dict[int, float] = {}
         self._error_time: float | None = None
         self._commit_agree_failed = False  # our last Agree already matched the peers' repair-entry Agree
+        self._cause: dict | None = None  # what made this rank enter the next repair (kept in the event)
         # Test seam: called inside the repair protocol as hook(point, attempt); used to SIGKILL a rank mid-repair.
         self.repair_hook: Callable[[str, int], None] | None = None
         self.watcher: FailureWatcher | None = FailureWatcher(comm, self._on_notice).start() if watch else None
@@ -205,6 +207,7 @@ class FTWorld:
         if not result & HEALTHY_BIT:
             self._commit_agree_failed = True  # a peer entered repair (its Agree completed ours): so must we
             self._note_error()
+            self._set_cause("agree", -1, "a peer is repairing")
             raise FailureDetected("agree", -1, self.epoch, "a peer is repairing")
         return bool(result & 1)
 
@@ -256,6 +259,9 @@ class FTWorld:
         )
         event = outcome.event
         event.by_watcher = by_watcher
+        event.extra["cause"] = self._cause or {"op": "watcher" if by_watcher else "caller", "error_class": -1,
+                                               "detail": "failure notice" if by_watcher else "repair requested"}
+        self._cause = None
         event.wall_time = time.time()
         event.detect_ms = self._detect_ms(start, event.failed_ranks)
         self.epoch = event.epoch
@@ -270,6 +276,8 @@ class FTWorld:
         self.world_comm, self.coord_comm = outcome.world_comm, outcome.coord_comm
         self.live_ranks, self._live_set = outcome.live_ranks, frozenset(outcome.live_ranks)
         self.active_replicas = event.active_replicas
+        if not event.failed_ranks:
+            self._log(f"[ft rank {self.rank}] repair to epoch {event.epoch} found no dead rank; cause: {event.extra['cause']}")
         self._log(
             f"[ft rank {self.rank}] repaired to epoch {event.epoch}: failed ranks {event.failed_ranks} "
             f"(replicas {event.failed_replicas}), live replicas {event.live_replicas}, "
@@ -386,6 +394,7 @@ class FTWorld:
             if check_pending and self.fail_fast and self.failure_pending():
                 self._note_error()
                 self._revoke_all(comm)
+                self._set_cause(op, -1, f"failure notice before start: dead {sorted(self.watcher.dead_ranks)}")
                 raise FailureDetected(op, -1, self.epoch, "failure notice before start")
             self.progress.waiting(op)
             try:
@@ -393,9 +402,14 @@ class FTWorld:
             except MPI.Exception as exc:
                 self._note_error()
                 self._revoke_all(comm)
+                self._set_cause(op, error_class(exc), str(exc))
                 raise FailureDetected(op, error_class(exc), self.epoch, str(exc)) from exc
             finally:
                 self.progress.resume()
+
+    def _set_cause(self, op: str, err_class: int, detail: str) -> None:
+        if self._cause is None:  # the first error of this failure is the one that explains it
+            self._cause = {"op": op, "error_class": err_class, "detail": detail}
 
     def _note_error(self) -> None:
         self.had_failure = True

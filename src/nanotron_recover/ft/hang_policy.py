@@ -1,0 +1,99 @@
+"""The pure side of hang detection: who watches whom, what the main thread is doing, how long is too long.
+
+No MPI here (see :mod:`.hang` for the monitor thread), so these are unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .layout import ReplicaLayout
+
+HEARTBEAT_PERIOD_S = 1.0
+CHECK_INTERVAL_S = 0.1
+KILL_CONFIRM_S = 10.0
+HANG_FLOOR_S = 30.0
+HANG_STEP_FACTOR = 5.0
+FIRST_STEP_TIMEOUT_S = 60.0
+
+BUSY, WAITING = "busy", "waiting"
+
+
+class MainThreadProgress:
+    """What the main thread is doing, written by it, read by the monitor (plain attribute writes: no lock).
+
+    ``busy(where)``: computing or in intra-replica work at ``where`` (each call is progress); ``waiting(op)``: inside
+    a cross-replica MPI operation, where a stall is somebody else's.
+    """
+
+    def __init__(self) -> None:
+        self.state = BUSY
+        self.where = "start-up"
+        self.step = 0
+        self.since = time.monotonic()
+        self._busy_where = self.where
+
+    def busy(self, where: str, step: int) -> None:
+        self.where = self._busy_where = where
+        self.step, self.since, self.state = step, time.monotonic(), BUSY
+
+    def waiting(self, op: str) -> None:
+        self.where, self.since, self.state = op, time.monotonic(), WAITING
+
+    def resume(self) -> None:
+        """Back from a cross-replica wait to the busy phase it interrupted (which made progress)."""
+        self.where, self.since, self.state = self._busy_where, time.monotonic(), BUSY
+
+    def describe(self) -> str:
+        return f"step {self.step} {self.where}"
+
+
+@dataclass
+class HangPolicy:
+    """How long is too long (seconds)."""
+
+    fixed_timeout_s: float | None = None
+    io_allowance_s: float = 600.0
+    longest_step_s: float = 0.0
+
+    def record_step(self, seconds: float) -> None:
+        self.longest_step_s = max(self.longest_step_s, seconds)
+
+    @property
+    def timeout_s(self) -> float:
+        if self.fixed_timeout_s is not None:
+            return self.fixed_timeout_s
+        if self.longest_step_s <= 0:
+            return FIRST_STEP_TIMEOUT_S
+        return max(HANG_FLOOR_S, HANG_STEP_FACTOR * self.longest_step_s)
+
+    def busy_limit_s(self, where: str) -> float:
+        timeout = self.timeout_s
+        return max(timeout, self.io_allowance_s) if where.startswith("checkpoint") else timeout
+
+    @property
+    def stall_limit_s(self) -> float:
+        timeout = self.timeout_s
+        return max(4 * timeout, timeout + self.io_allowance_s)
+
+
+@dataclass
+class HangMargin:
+    """The closest any check came to firing in this run (seconds): the margin to the timeout."""
+
+    max_silence_s: float = 0.0
+    max_busy_s: float = 0.0
+    max_waiting_s: float = 0.0
+    checks: int = 0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def peers_of(layout: ReplicaLayout, rank: int) -> list[int]:
+    """The ranks ``rank`` sends heartbeats to and watches: its replica-mates and its coordinate in other replicas."""
+    replica, local = layout.replica_of(rank), layout.local_rank_of(rank)
+    mates = layout.ranks_of(replica)
+    coords = [layout.world_rank(r, local) for r in range(layout.n_replicas)]
+    return sorted(set(mates + coords) - {rank})

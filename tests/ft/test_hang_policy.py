@@ -1,0 +1,72 @@
+"""The pure parts of hang detection: who watches whom, and how long is too long."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nanotron_recover.ft.hang_policy import (
+    BUSY,
+    FIRST_STEP_TIMEOUT_S,
+    HANG_FLOOR_S,
+    HANG_STEP_FACTOR,
+    WAITING,
+    HangPolicy,
+    MainThreadProgress,
+    peers_of,
+)
+from nanotron_recover.ft.layout import ReplicaLayout
+
+
+@given(st.integers(1, 6), st.integers(1, 6))
+def test_peers_are_replica_mates_and_coordinate_ranks_symmetrically(replicas: int, rpr: int) -> None:
+    layout = ReplicaLayout(replicas * rpr, rpr)
+    for rank in range(layout.world_size):
+        peers = peers_of(layout, rank)
+        assert rank not in peers
+        assert len(peers) == (rpr - 1) + (replicas - 1)
+        for p in peers:
+            assert rank in peers_of(layout, p)  # whom I tell, tells me: each silence has a witness
+            same_replica = layout.replica_of(p) == layout.replica_of(rank)
+            assert same_replica or layout.local_rank_of(p) == layout.local_rank_of(rank)
+
+
+def test_default_timeout_follows_the_longest_step_with_a_floor() -> None:
+    policy = HangPolicy()
+    assert policy.timeout_s == FIRST_STEP_TIMEOUT_S  # nothing measured yet
+    policy.record_step(0.2)
+    assert policy.timeout_s == HANG_FLOOR_S
+    policy.record_step(20.0)
+    policy.record_step(1.0)
+    assert policy.timeout_s == HANG_STEP_FACTOR * 20.0
+    assert HangPolicy(fixed_timeout_s=7).timeout_s == 7
+
+
+def test_no_mpi_is_needed_for_the_policy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, nanotron_recover.ft.hang_policy; print('mpi4py' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_checkpoint_saves_get_the_io_allowance_and_waits_a_longer_limit() -> None:
+    policy = HangPolicy(fixed_timeout_s=10, io_allowance_s=300)
+    assert policy.busy_limit_s("forward") == 10
+    assert policy.busy_limit_s("checkpoint") == 300
+    assert policy.stall_limit_s == 310
+
+
+def test_progress_records_busy_waiting_and_returns_to_the_busy_phase() -> None:
+    progress = MainThreadProgress()
+    progress.busy("backward", 4)
+    t_busy = progress.since
+    progress.waiting("allreduce(coord)")
+    assert progress.state == WAITING and progress.where == "allreduce(coord)"
+    time.sleep(0.01)
+    progress.resume()
+    assert progress.state == BUSY and progress.where == "backward" and progress.step == 4
+    assert progress.since > t_busy

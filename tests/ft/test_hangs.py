@@ -1,0 +1,98 @@
+"""No hang stalls a run: frozen (SIGSTOP) and stuck ranks are found and killed, then recovered in-step.
+
+Real ``nanotron-recover train`` jobs under ``mpirun --with-ft ulfm``, 2 replicas x TP2 x PP2 (8 processes), real
+signals from the fault schedule, a hard timeout on each run. Each run must commit every step with all M
+microbatches, match the failure-free losses, log the ``hang_detected`` event, and resume committing within
+``hang_timeout_s + 5 s`` of the signal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanotron_recover.runs import RunResult, run_training
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+FAULT_STEP = 3
+HANG_TIMEOUT_S = 5.0
+TIMEOUT_S = 240
+TOL = 1e-5
+RPR = 4  # ranks per replica: TP2 x PP2
+
+
+def hang_config(tiny_config, inject: list[dict]) -> dict:
+    return tiny_config(
+        dp=2, tp=2, pp=2, accumulation=2, steps=STEPS,
+        fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "hang_timeout_s": HANG_TIMEOUT_S,
+                         "collective_timeout_s": 120, "inject": inject},
+    )
+
+
+_REFERENCE: list[np.ndarray] = []
+
+
+@pytest.fixture
+def reference(tiny_config, tmp_path_factory) -> np.ndarray:
+    """The failure-free run of the same config (once per module)."""
+    if not _REFERENCE:
+        result = run_training(hang_config(tiny_config, []), tmp_path_factory.mktemp("ref"), timeout_s=TIMEOUT_S,
+                              extra_args=["--synthetic-data"])
+        assert len(result.steps) == STEPS, result.output[-3000:]
+        _REFERENCE.append(np.array(result.losses))
+    return _REFERENCE[0]
+
+
+def fault_time(run_dir: Path) -> float:
+    """When the scheduled fault fired: the time the injector wrote into its marker file."""
+    (marker,) = (Path(run_dir) / "injected").iterdir()
+    return float(marker.read_text())
+
+
+def assert_recovered(result: RunResult, reference: np.ndarray, victim_replica: int) -> float:
+    """Every step committed, same losses, the victim's replica repaired away; returns the stall in seconds."""
+    tail = result.output[-5000:]
+    assert [s["step"] for s in result.steps] == list(range(1, STEPS + 1)), tail
+    assert all(s["microbatches"] == 4 for s in result.steps), tail
+    assert {r for e in result.events_of("repair") for r in e["failed_replicas"]} == {victim_replica}, tail
+    diff = float(np.abs(np.array(result.losses) - reference).max())
+    assert diff <= TOL, f"loss differs from the failure-free run by {diff:.2e}\n{tail}"
+    fired = fault_time(result.run_dir)
+    committed = min(s["time"] for s in result.steps if s["time"] > fired)  # the first commit after the signal
+    stall = committed - fired
+    assert stall <= HANG_TIMEOUT_S + 5.0, f"stall {stall:.1f} s > hang_timeout_s + 5 s\n{tail}"
+    return stall
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.parametrize("phase, rank", [("forward", 0), ("backward", 1), ("reduce", 2), ("optimizer", 3)])
+def test_a_frozen_rank_is_killed_and_the_step_recovered(phase, rank, tiny_config, reference, tmp_path):
+    """SIGSTOP in each phase, on ranks of different (pp, tp) coordinates. In forward, the frozen rank's TP peer
+    waits inside the TP all-reduce (an intra-replica collective); in reduce, the other replica waits inside the
+    cross-replica reduction."""
+    inject = [{"step": FAULT_STEP, "replica": 1, "rank": rank, "phase": phase, "signal": "stop"}]
+    result = run_training(hang_config(tiny_config, inject), tmp_path, timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
+    stall = assert_recovered(result, reference, victim_replica=1)
+    hangs = result.events_of("hang_detected")
+    victim = 1 * RPR + rank
+    assert any(h["reason"] == "silent" and h["rank"] == victim for h in hangs), hangs
+    print(f"\nSIGSTOP {phase} rank {rank}: stall {stall:.2f} s (hang_timeout_s {HANG_TIMEOUT_S:g})")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_a_main_thread_stuck_in_compute_kills_its_own_rank(tiny_config, reference, tmp_path):
+    """The main thread blocks for ever in backward (as in a hung kernel) while the process's threads run: its own
+    monitor sees no progress and SIGKILLs the process."""
+    inject = [{"step": FAULT_STEP, "replica": 0, "rank": 3, "phase": "backward", "signal": "hang"}]
+    result = run_training(hang_config(tiny_config, inject), tmp_path, timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
+    stall = assert_recovered(result, reference, victim_replica=0)
+    stuck = [h for h in result.events_of("hang_detected") if h["reason"] == "stuck"]
+    assert any(h["rank"] == 3 and h["step"] == FAULT_STEP for h in stuck), result.events_of("hang_detected")
+    print(f"\nstuck main thread: stall {stall:.2f} s; hang events {json.dumps(stuck)[:300]}")

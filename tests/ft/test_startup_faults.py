@@ -1,0 +1,63 @@
+"""A fault before every rank is ready to train ends the whole job within ``startup_timeout_s``, with the restart
+outcome; the relaunch (same run dir) trains to the end.
+
+Before the fault-tolerant world is up nothing can be recovered, and without a guard a death before ``MPI_Init``
+leaves the other ranks inside ``MPI_Init`` for ever. Real ``mpirun --with-ft ulfm`` jobs, real SIGKILL / SIGSTOP
+from the fault schedule (``phase: startup``), hard timeouts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.exit_codes import EXIT_RESTART
+from nanotron_recover.runs import read_exits, run_training
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+STARTUP_TIMEOUT_S = 20.0
+OUTCOME = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "recover_job.py"
+
+
+def startup_config(tiny_config, inject: list[dict]) -> dict:
+    return tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance={
+        "enabled": True, "startup_timeout_s": STARTUP_TIMEOUT_S, "inject": inject})
+
+
+def outcome(run_dir: Path, rc: int) -> str:
+    out = subprocess.run([sys.executable, str(OUTCOME), "outcome", "--run-dir", str(run_dir), "--train-steps",
+                          str(STEPS), "--mpirun-rc", str(rc)], capture_output=True, text=True, timeout=60)
+    return out.stdout.split()[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("at, signal", [
+    ("before_mpi_init", "kill"),   # the others wait inside MPI_Init: only the watchdogs end them
+    ("after_mpi_init", "kill"),    # noticed over ULFM while the worlds are built
+    ("checkpoint_load", "stop"),   # frozen after the model build: its own watchdog ends it
+])
+def test_a_startup_fault_ends_the_job_with_the_restart_outcome(at, signal, tiny_config, tmp_path):
+    inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": at, "signal": signal}]
+    config = startup_config(tiny_config, inject)
+    t0 = time.monotonic()
+    first = run_training(config, tmp_path, timeout_s=STARTUP_TIMEOUT_S + 60, extra_args=["--synthetic-data"],
+                         check=False)
+    ended = time.monotonic() - t0
+    tail = first.output[-4000:]
+    assert first.steps == [], tail
+    assert ended <= STARTUP_TIMEOUT_S + 10 + 15, f"job took {ended:.1f} s to end\n{tail}"  # + 15 s interpreter start
+    assert "ending the job (restart outcome)" in first.output, tail
+    assert outcome(tmp_path, first.returncode) == "restart"
+    survivors = {r: e for r, e in read_exits(tmp_path).items() if r != 1}
+    assert survivors and all(e["code"] == EXIT_RESTART for e in survivors.values()), survivors
+    print(f"\nstartup {signal} at {at}: job ended after {ended:.1f} s (startup_timeout_s {STARTUP_TIMEOUT_S:g})")
+
+    again = run_training(config, tmp_path, timeout_s=240, extra_args=["--synthetic-data"])  # the fault fired once
+    assert [s["step"] for s in again.steps] == list(range(1, STEPS + 1)), again.output[-4000:]
+    assert outcome(tmp_path, again.returncode) == "done"

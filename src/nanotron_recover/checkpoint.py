@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
-import nanotron_recover.nanotron_compat  # noqa: F401
 from nanotron.serialize import load_weights, save_meta, save_weights
 from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
 

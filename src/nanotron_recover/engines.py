@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections.abc
 from typing import Dict, Iterable, List, Optional, Union
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import-cycle fix, must precede nanotron)
 import torch
 from nanotron import distributed as dist
 from nanotron.optim.gradient_accumulator import GradientAccumulator

@@ -18,13 +18,13 @@ import json
 import sys
 from typing import Dict, List, Optional
 
-from tests.models import llama_harness as H  # isort: skip  (first: it imports nanotron_compat)
 import torch
 import torch.distributed as torch_dist
 
 from nanotron_recover.engines import build_engine, place_microbatch
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from tests.models import llama_harness as H
 
 
 def grads(model) -> Dict[str, torch.Tensor]:

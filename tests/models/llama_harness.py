@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (before any nanotron import)
 import torch
 import torch.distributed as torch_dist
 from nanotron.config import LlamaConfig, ParallelismArgs

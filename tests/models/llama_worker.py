@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Dict, List, Tuple
 
-from tests.models import llama_harness as H  # isort: skip  (first: it imports nanotron_compat)
 import torch
 import torch.distributed as torch_dist
 from nanotron import distributed as dist
@@ -23,6 +22,7 @@ from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.models.llama import build_llama, canonical_names, init_weights
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
+from tests.models import llama_harness as H
 
 STEPS, M, STD, SEED, LR = 3, 4, 0.02, 1234, 1e-3
 CONFIGS = {"untied": H.tiny_config(tied=False), "tied": H.tiny_config(tied=True)}

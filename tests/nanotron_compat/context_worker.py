@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from tests.models import llama_harness as H  # isort: skip  (first: it imports nanotron_compat)
 import torch
 import torch.distributed as torch_dist
 from nanotron import distributed as dist
 
 from nanotron_recover.nanotron_compat.p2p import NonBlockingP2P
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from tests.models import llama_harness as H
 
 
 def ranks(pg) -> list[int]:

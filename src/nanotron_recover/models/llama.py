@@ -25,7 +25,6 @@ import logging
 import math
 from typing import Dict, Optional, Tuple, Union
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import-cycle fix, must precede nanotron)
 import torch
 import torch.nn.functional as F
 from nanotron import distributed as dist

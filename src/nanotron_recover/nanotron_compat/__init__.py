@@ -1,8 +1,6 @@
 """The one place that works around nanotron 0.4's CPU-hostile spots and its import cycle.
 
-Import this package before any ``nanotron`` module. Each workaround names the nanotron limitation it covers.
+Each workaround names the nanotron limitation it covers. The import-cycle fix (:mod:`.imports`) runs by itself
+the first time nanotron is imported after ``import nanotron_recover``: no module imports this package for its
+side effect.
 """
-
-from nanotron_recover.nanotron_compat.imports import ensure_nanotron_importable
-
-ensure_nanotron_importable()

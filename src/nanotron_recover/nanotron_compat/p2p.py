@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import-cycle fix, must precede nanotron)
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData

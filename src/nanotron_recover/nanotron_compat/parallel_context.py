@@ -19,7 +19,6 @@ import datetime
 import os
 from typing import Iterable, Sequence, Tuple
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import-cycle fix, must precede nanotron)
 import numpy as np
 import torch.distributed as torch_dist
 from nanotron import distributed as dist

@@ -7,7 +7,6 @@ resume. The same check here, on the project's compute device, installed where ``
 
 from __future__ import annotations
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import-cycle fix, must precede nanotron)
 import nanotron.serialize.optimizer as _optimizer_module
 from nanotron import distributed as dist
 from nanotron.sanity_checks import assert_tensor_synced_across_pg

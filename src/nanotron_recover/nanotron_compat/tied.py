@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import-cycle fix, must precede nanotron)
 from nanotron import distributed as dist
 from nanotron.config import ParallelismArgs
 from nanotron.models.base import NanotronModel

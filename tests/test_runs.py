@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
-from nanotron_recover.inject import FailureInjector
+from nanotron_recover.inject import FailureInjector, FailureSpec, marker_name
 from nanotron_recover.metrics import MetricsLogger, read_metrics_jsonl
 from nanotron_recover.runs import read_kills, read_metrics, resumed_from
 
@@ -51,11 +51,16 @@ def test_read_kills_parses_the_injector_markers(tmp_path: Path, monkeypatch: pyt
     FailureInjector([{"step": 3, "replica": 1, "rank": 0, "phase": "backward"}], 1, 0, fired_dir=tmp_path / "injected").maybe_fail(3, "backward")
     FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1, fired_dir=tmp_path / "injected").maybe_fail(2, "reduce")
     assert len(kills) == 2
-    (tmp_path / "injected" / "step5-replica2-rank1-forward-stop").write_text("1e12\n")  # a later field: ignored
+    stop = FailureSpec.from_dict({"step": 5, "replica": 2, "rank": 1, "phase": "forward", "signal": "stop"})
+    startup = FailureSpec.from_dict({"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": "after_mpi_init",
+                                     "signal": "hang"})
+    (tmp_path / "injected" / marker_name(stop)).write_text("1e12\n")
+    (tmp_path / "injected" / f"{marker_name(startup)}-x").write_text("2e12\n")  # a later field: ignored
     (tmp_path / "injected" / "notes.txt").write_text("not a marker")
     found = read_kills(tmp_path)
-    assert [(k["step"], k["replica"], k["rank"], k["phase"]) for k in found] == [
-        (3, 1, 0, "backward"), (2, 0, 1, "reduce"), (5, 2, 1, "forward")]
+    assert [(k["step"], k["replica"], k["rank"], k["phase"], k["at"], k["signal"]) for k in found] == [
+        (3, 1, 0, "backward", None, "kill"), (2, 0, 1, "reduce", None, "kill"), (5, 2, 1, "forward", None, "stop"),
+        (0, 1, 0, "startup", "after_mpi_init", "hang")]
     assert all(isinstance(k["time"], float) for k in found) and found[0]["time"] <= found[1]["time"]
     assert read_kills(tmp_path / "elsewhere") == []
 

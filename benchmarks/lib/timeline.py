@@ -73,7 +73,7 @@ def launch(config: dict, run_dir: Path, *, timeout_s: float = 900) -> Attempt:
     result = run_training(config, run_dir, timeout_s=timeout_s, extra_args=["--synthetic-data"], check=False)
     t1 = time.time()
     kills = [Kill(k["time"], k["step"], k["replica"], k["rank"], k["phase"]) for k in read_kills(run_dir)
-             if k["time"] is not None and k["time"] >= t0]
+             if k["signal"] == "kill" and k["time"] is not None and k["time"] >= t0]
     steps = [s for s in result.steps if s.get("time", 0) >= t0]  # every attempt has its own dir; be safe anyway
     return Attempt(str(run_dir), n_processes(config), t0, t1, result.returncode, steps,
                    [e for e in result.events if e.get("time", 0) >= t0], sorted(kills, key=lambda k: k.t),

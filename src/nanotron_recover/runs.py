@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from nanotron_recover.inject import SIGNALS
 from nanotron_recover.metrics import read_metrics_jsonl
 
 
@@ -52,16 +53,17 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 # where the trainer's FailureInjector leaves one marker file per fired schedule entry (trainer.py: ``fired_dir``)
 INJECTED_DIR = "injected"
-# inject.py's marker name; fields after the phase (e.g. a signal) are allowed and ignored
-_MARKER = re.compile(r"step(\d+)-replica(\d+)-rank(\d+)-([a-z_]+)(?:-.*)?")
+# inject.marker_name: step{s}-replica{r}-rank{k}-{phase, or startup.<point>}[-{signal}]; later fields are ignored
+_MARKER = re.compile(r"step(\d+)-replica(\d+)-rank(\d+)-([a-z_]+)(?:\.([a-z_]+))?(?:-([a-z_]+))?(?:-.*)?")
 
 
 def read_kills(run_dir: Path) -> list[dict[str, Any]]:
-    """The injected failures that fired in ``run_dir``, oldest first: ``{"step", "replica", "rank", "phase",
-    "time"}`` from the injector's markers ``injected/step{s}-replica{r}-rank{k}-{phase}[-...]``.
+    """The injected faults that fired in ``run_dir``, oldest first, from the injector's markers in
+    ``injected/``: ``{"step", "replica", "rank", "phase", "at", "signal", "time"}``.
 
-    ``time`` is the unix time written into the marker just before the SIGKILL (``None`` if unreadable); a file
-    whose name does not parse is skipped.
+    ``at`` is the start-up point of a ``startup`` fault (else ``None``); ``signal`` is ``kill`` (SIGKILL, the
+    default), ``stop`` or ``hang``; ``time`` is the unix time written into the marker just before the signal
+    (``None`` if unreadable). A file whose name does not parse is skipped.
     """
     folder = Path(run_dir) / INJECTED_DIR
     kills = []
@@ -73,7 +75,9 @@ def read_kills(run_dir: Path) -> list[dict[str, Any]]:
             t: float | None = float(path.read_text().strip())
         except (OSError, ValueError):
             t = None
-        kills.append({"step": int(m[1]), "replica": int(m[2]), "rank": int(m[3]), "phase": m[4], "time": t})
+        signal = m[6] if m[6] in SIGNALS else "kill"
+        kills.append({"step": int(m[1]), "replica": int(m[2]), "rank": int(m[3]), "phase": m[4], "at": m[5],
+                      "signal": signal, "time": t})
     return sorted(kills, key=lambda k: (k["time"] is None, k["time"] or 0.0, k["step"]))
 
 

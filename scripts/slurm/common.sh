@@ -51,7 +51,8 @@ recover_mpirun_cmd() {
         # ULFM: a dead rank is reported to the others instead of killing the job (mpirun is NOT srun: ULFM
         # cannot be launched by srun; under Slurm mpirun starts its daemons inside the allocation itself)
         MPI_CMD+=(--with-ft ulfm
-                  --prtemca errmgr_detector_heartbeat_period 1 --prtemca errmgr_detector_heartbeat_timeout 3)
+                  --prtemca errmgr_detector_heartbeat_period 1 --prtemca errmgr_detector_heartbeat_timeout 3
+                  --mca coll ^han,cuda)  # ULFM-safe collectives (ompi #11794, #13915)
     fi
     if (( RECOVER_WORLD_SIZE > slots )); then
         recover_log "warning: $RECOVER_WORLD_SIZE ranks on $slots Slurm task slots: oversubscribing" \

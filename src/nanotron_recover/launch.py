@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
 
 
+HOSTFILE_ENV = "NANOTRON_RECOVER_HOSTFILE"  # an Open MPI hostfile for the launch
+MPIRUN_ARGS_ENV = "NANOTRON_RECOVER_MPIRUN_ARGS"  # extra mpirun options, shell-quoted (as MPIRUN_ARGS in sbatch)
+
+
 def resolve_run_name(template: str | None) -> str:
     """nanotron's ``general.run`` with ``%date`` and ``%jobid`` filled in (once, here, for every rank)."""
     name = template or "%date_%jobid"
@@ -81,8 +85,10 @@ def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig",
     if not config.ft_enabled:
         # stock layout: one torch world, rendezvous as torchrun would do it
         env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(_free_port()))
-    hostfile = os.environ.get("NANOTRON_RECOVER_HOSTFILE")
-    cmd = mpirun_command(config.world_size, program, ulfm=config.ft_enabled, env=env, hostfile=hostfile)
+    hostfile = os.environ.get(HOSTFILE_ENV)
+    extra = shlex.split(os.environ.get(MPIRUN_ARGS_ENV, ""))
+    cmd = mpirun_command(config.world_size, program, ulfm=config.ft_enabled, env=env, hostfile=hostfile,
+                         extra_args=extra)
     return cmd, config, run_dir
 
 

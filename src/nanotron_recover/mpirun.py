@@ -34,8 +34,10 @@ def mpirun_command(
     oversubscribe: bool = True,
     env: Mapping[str, str] | None = None,
     hostfile: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """``mpirun ... program`` for ``n_procs`` ranks; ``env`` entries are exported to every rank."""
+    """``mpirun ... program`` for ``n_procs`` ranks; ``env`` entries are exported to every rank, ``extra_args`` go
+    just before the program."""
     if n_procs < 1:
         raise ValueError(f"n_procs must be >= 1, got {n_procs}")
     cmd = [mpirun_executable(), "-n", str(n_procs), "--bind-to", "none", "--mca", "pml", "ob1"]
@@ -49,6 +51,11 @@ def mpirun_command(
             "--prtemca",
             "errmgr_detector_heartbeat_timeout",
             str(DETECTOR_HEARTBEAT_TIMEOUT_S),
+            # ULFM-safe collectives: han swallows errors and deadlocks after a failure (ompi #11794) and crashed
+            # here across nodes; Agree deadlocks across nodes with han/cuda selected (ompi #13915)
+            "--mca",
+            "coll",
+            "^han,cuda",
         ]
     if oversubscribe:
         cmd.append("--oversubscribe")
@@ -58,7 +65,7 @@ def mpirun_command(
         cmd += ["--hostfile", hostfile]
     for key, value in (env or {}).items():
         cmd += ["-x", f"{key}={value}"]
-    return cmd + list(program)
+    return cmd + list(extra_args) + list(program)
 
 
 def python_module_command(module: str, args: Sequence[str]) -> list[str]:

@@ -218,11 +218,13 @@ class HangMonitor:
             if silence < timeout + turn * HEARTBEAT_PERIOD_S:
                 continue
             peer.reported = True
+            helpers = self._helpers_for(rank)
             self._report({
                 "reason": "silent", "rank": rank, "host": self.hosts[rank], "pid": self.pids[rank],
                 "silent_s": round(silence, 3), "timeout_s": timeout,
+                "action": "kill" if helpers is None else f"ask ranks {helpers} on its node to kill it",
             })
-            self._kill(rank, now)
+            self._kill(rank, now, helpers)
 
     def _check_self(self, now: float) -> None:
         progress = self.progress
@@ -251,14 +253,19 @@ class HangMonitor:
                 return
 
     # ---------------------------------------------------------------- actions
-    def _kill(self, target: int, now: float) -> None:
-        self._kills.append(_KillOrder(target, now))
+    def _helpers_for(self, target: int) -> list[int] | None:
+        """None if I can kill ``target`` myself (same node), else the live ranks on its node that can."""
         if self.hosts[target] == self.hosts[self.rank]:
+            return None
+        return [r for r in self._live_ranks() if self.hosts[r] == self.hosts[target] and r != target
+                and r not in self._dead]
+
+    def _kill(self, target: int, now: float, helpers: list[int] | None) -> None:
+        self._kills.append(_KillOrder(target, now))
+        if helpers is None:
             self._kill_local(target)
-            return
-        helpers = [r for r in self._live_ranks() if self.hosts[r] == self.hosts[target] and r != target
-                   and r not in self._dead]
-        self._send_to(helpers, _KILL, target, 0)
+        else:
+            self._send_to(helpers, _KILL, target, 0)
 
     def _kill_local(self, target: int) -> None:
         try:

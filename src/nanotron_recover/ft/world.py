@@ -31,6 +31,12 @@ CommName = Literal["coord", "world"]
 LogFn = Callable[[str], None]
 
 
+def node_id() -> str:
+    """Which node this process runs on, for the kill of a hung rank: the host name and the pid of the Open MPI
+    daemon that started it (one per node; on a test bed of several "nodes" on one machine, one per fake node)."""
+    return f"{socket.gethostname()}/{os.getppid()}"
+
+
 def _stderr_log(msg: str) -> None:
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
@@ -96,7 +102,7 @@ class FTWorld:
             self.world_comm, self.layout, self.rank, self.active_replicas
         )
         # who runs where: a hung rank can only be killed by a process on its own host
-        placement = self.world_comm.allgather((socket.gethostname(), os.getpid()))
+        placement = self.world_comm.allgather((node_id(), os.getpid()))
         self.hosts: list[str] = [host for host, _ in placement]
         self.pids: list[int] = [pid for _, pid in placement]
 

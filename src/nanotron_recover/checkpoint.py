@@ -26,7 +26,7 @@ from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_che
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 
 if TYPE_CHECKING:
-    from nanotron_recover.trainer import RecoverTrainer
+    from nanotron_recover.strategy import TrainingState
 
 LATEST = "latest.txt"
 STATE_FILE = "trainer_state.json"
@@ -78,27 +78,27 @@ def resolve_checkpoint(path: Path) -> Path | None:
 class CheckpointLayout(Protocol):
     """How model, optimizer and LR scheduler are laid out inside a checkpoint folder."""
 
-    def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
+    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
         """Collective over the writing replica's ranks; ``folder`` exists."""
 
-    def read(self, trainer: "RecoverTrainer", folder: Path) -> None:
+    def read(self, trainer: "TrainingState", folder: Path) -> None:
         """Load into this rank's model, optimizer and LR scheduler."""
 
 
 class NanotronLayout:
     """nanotron 0.4's ``serialize`` format (weights as safetensors per TP/PP shard, optimizer, LR scheduler)."""
 
-    def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
+    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
         pc = trainer.parallel_context
-        save_weights(trainer.dp.unwrapped_model, pc, folder)
+        save_weights(trainer.unwrapped_model, pc, folder)
         save_optimizer(trainer.optimizer, pc, folder)
         save_lr_scheduler(trainer.lr_scheduler, pc, folder)
         samples = step * trainer.M * trainer.config.tokens.micro_batch_size
         save_meta(pc, folder, {"last_train_step": step, "consumed_train_samples": samples})
 
-    def read(self, trainer: "RecoverTrainer", folder: Path) -> None:
+    def read(self, trainer: "TrainingState", folder: Path) -> None:
         pc = trainer.parallel_context
-        load_weights(trainer.dp.unwrapped_model, pc, folder)
+        load_weights(trainer.unwrapped_model, pc, folder)
         load_optimizer(trainer.optimizer, pc, folder, map_location=str(trainer.device))
         load_lr_scheduler(trainer.lr_scheduler, folder)
 
@@ -154,7 +154,7 @@ class CheckpointManager:
 
     def save(
         self,
-        trainer: "RecoverTrainer",
+        trainer: "TrainingState",
         step: int,
         *,
         writer: bool,
@@ -195,7 +195,7 @@ class CheckpointManager:
             return found
         return self.latest()
 
-    def maybe_resume(self, trainer: "RecoverTrainer") -> int:
+    def maybe_resume(self, trainer: "TrainingState") -> int:
         """Load model, optimizer and LR scheduler from the resume source; return the step to continue after."""
         source = self.resume_source()
         if source is None:

@@ -8,7 +8,6 @@ math. Data-parallel rank d computes the d-th contiguous chunk of the step's M gl
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING
 
 import nanotron_recover.nanotron_compat  # noqa: F401
 import torch
@@ -16,13 +15,18 @@ import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from nanotron_recover import devices
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
-from nanotron_recover.trainer import CommittedStep, DataParallelStrategy
+from nanotron_recover.strategy import (
+    AttachedModel,
+    CheckpointWriter,
+    CommittedStep,
+    DataParallelStrategy,
+    StepServices,
+    TrainingState,
+)
 from nanotron_recover.workload.planner import plan_step
-
-if TYPE_CHECKING:
-    from nanotron_recover.trainer import RecoverTrainer
 
 
 class StockDataParallel(DataParallelStrategy):
@@ -45,37 +49,34 @@ class StockDataParallel(DataParallelStrategy):
         self.per_replica = config.tokens.batch_accumulation_per_replica
         self.last_stage = self.pp_rank == par.pp - 1
 
-    def attach_model(self, trainer: "RecoverTrainer") -> None:
-        self.unwrapped_model = trainer.model
+    def attach_model(self, model, named_params, device) -> AttachedModel:
+        wrapped = model
         if self.parallel_context.dp_pg.size() > 1:
-            self.model = DistributedDataParallel(
-                trainer.model,
+            wrapped = DistributedDataParallel(
+                model,
                 process_group=self.parallel_context.dp_pg,
                 broadcast_buffers=False,
                 bucket_cap_mb=self.config.model.ddp_bucket_cap_mb,
             )
-        else:
-            self.model = trainer.model
+        return AttachedModel(model=wrapped, unwrapped=model, named_params=named_params)
 
-    def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
+    def forward_backward_reduce(self, step: int, services: StepServices) -> CommittedStep:
         dp = self.parallel_context.dp_pg.size()
-        indices = plan_step(step, trainer.M, range(dp))[self.dp_rank]  # the dp_rank-th contiguous chunk
+        indices = plan_step(step, self.config.microbatches_per_step, range(dp))[self.dp_rank]  # dp_rank-th chunk
         # stock nanotron: loss / own microbatch count; DDP averages the gradient over dp in the last backward
-        work = trainer.compute(step, indices, loss_divisor=self.per_replica)
+        work = services.compute(step, indices, self.per_replica)
         contribution = work.loss_sum / dp if (self.last_stage and self.tp_rank == 0) else 0.0
-        loss = torch.tensor([contribution], dtype=torch.float64, device=trainer.device)
+        loss = torch.tensor([contribution], dtype=torch.float64, device=devices.compute_device())
         torch_dist.all_reduce(loss, group=self.parallel_context.world_pg)
         return CommittedStep(loss=float(loss.item()), microbatches=dp * self.per_replica, live_replicas=dp)
 
-    def zero_grad(self, trainer: "RecoverTrainer") -> None:
-        trainer.optimizer.zero_grad()
-
-    def after_commit(self, trainer: "RecoverTrainer", step: int) -> None:
-        pass
+    def zero_grad(self, state: TrainingState) -> None:
+        state.optimizer.zero_grad()
 
     def is_logging_rank(self) -> bool:
         return self.world_rank == 0
 
-    def save_checkpoint(self, trainer: "RecoverTrainer", step: int) -> None:
+    def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
+                        extra_state: dict | None = None) -> None:
         # every rank writes its part (nanotron's serialize filters dp>0 itself); rank 0 publishes
-        trainer.checkpoints.save(trainer, step, writer=True, barrier=lambda: torch_dist.barrier(), publisher=self.world_rank == 0)
+        write(True, lambda: torch_dist.barrier(), self.world_rank == 0, extra_state)

@@ -165,7 +165,7 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
         print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {e.last_committed_step}", flush=True)
         if e.last_committed_step > 0:  # collective over the live ranks: the lowest computing replica writes
             try:
-                dp.save_checkpoint(trainer, e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
+                trainer.save_checkpoint(e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
             except (BelowMinimumReplicas, FailureDetected) as again:  # another death during the fallback save
                 print(f"[nanotron-recover] fallback checkpoint not saved: {again}", flush=True)
         trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": e.last_committed_step})

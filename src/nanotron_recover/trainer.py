@@ -13,64 +13,38 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import order)
 import torch
 from nanotron.helpers import lr_scheduler_builder
-from nanotron.optim.clip_grads import clip_grad_norm
 from nanotron.optim.named_optimizer import NamedOptimizer
 from torch.distributed.tensor import DTensor
 
 from nanotron_recover import devices
-from nanotron_recover.checkpoint import CheckpointLayout, CheckpointManager
+from nanotron_recover.checkpoint import CheckpointManager
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.inject import INJECTED_DIR, FailureInjector
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
-from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
+from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LocalWork:
-    """What this rank computed in a step: the loss sum (each microbatch's loss / the strategy's ``loss_divisor``:
-    M, or M x F for an HSDP rank that holds 1/F of each microbatch's rows) and the microbatch count."""
-
-    loss_sum: float = 0.0
-    microbatches: int = 0
-
-    def __iadd__(self, other: "LocalWork") -> "LocalWork":
-        self.loss_sum += other.loss_sum
-        self.microbatches += other.microbatches
-        return self
-
-
-@dataclass
-class CommittedStep:
-    """A step's result, identical on every live rank."""
-
-    loss: float
-    microbatches: int
-    epoch: int = 0
-    live_replicas: int = 1
-    recoveries: int = 0
 
 
 class RecoverTrainer:
     """Builds model, optimizer, data and engine for one rank and runs the step loop.
 
-    ``data_parallel`` is the strategy for everything that crosses replicas: the stock path
-    (:class:`nanotron_recover.stock.StockDataParallel`) or ReCoVer's
-    (:class:`nanotron_recover.recovery.resilient.ResilientDataParallel`).
+    ``data_parallel`` is the strategy for everything that crosses replicas (:mod:`nanotron_recover.strategy`): the
+    stock path (:class:`nanotron_recover.stock.StockDataParallel`) or ReCoVer's
+    (:class:`nanotron_recover.recovery.resilient.ResilientDataParallel`). The trainer is the
+    :class:`~nanotron_recover.strategy.TrainingState` it reads and hands it :class:`StepServices`.
     """
 
-    def __init__(self, config: RecoverConfig, run_dir: Path, data_parallel: "DataParallelStrategy") -> None:
+    def __init__(self, config: RecoverConfig, run_dir: Path, data_parallel: DataParallelStrategy) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.dp = data_parallel
@@ -93,8 +67,11 @@ class RecoverTrainer:
         )
         init_weights(self.model, std=_init_std(config), seed=config.general.seed)
         self.injector.maybe_fail(0, "startup:model_build")
-        self.named_params = list(self.model.get_named_params_with_correct_tied())
-        self.dp.attach_model(self)  # may wrap the model (DDP) or lay gradients into flat buckets
+        attached = self.dp.attach_model(  # may wrap the model (DDP), shard it, or lay gradients into buckets
+            self.model, list(self.model.get_named_params_with_correct_tied()), self.device
+        )
+        self.engine_model, self.unwrapped_model = attached.model, attached.unwrapped
+        self.named_params = attached.named_params
         self.optimizer = self._build_optimizer()
         self.lr_scheduler = lr_scheduler_builder(
             self.optimizer, config.optimizer.learning_rate_scheduler, total_training_steps=config.tokens.train_steps
@@ -109,6 +86,9 @@ class RecoverTrainer:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
         self.step = 0
+        self.services = StepServices(
+            compute=self.compute, fault_point=self._fault_point, metrics=self.metrics, last_record=lambda: self.last_record
+        )
         self.grad_norm: float | None = None
         self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
 
@@ -129,17 +109,20 @@ class RecoverTrainer:
         )
 
     def _at(self, phase: str) -> None:
-        """A point of the step: progress for the hang monitor, and where a scheduled fault fires."""
-        self.dp.progress(self._current_step, phase)
-        self.injector.maybe_fail(self._current_step, phase)
+        """A point of the current step: progress for the hang monitor, and where a scheduled fault fires."""
+        self._fault_point(self._current_step, phase)
+
+    def _fault_point(self, step: int, phase: str) -> None:
+        self.dp.progress(step, phase)
+        self.injector.maybe_fail(step, phase)
 
     def _install_phase_hooks(self) -> None:
         """Progress and fault injection inside the real computation: a forward pre-hook and a gradient hook, once
         per microbatch (a microbatch is the unit of progress the hang monitor waits for)."""
-        local_params = [p for p in self.dp.unwrapped_model.parameters() if p.requires_grad]
+        local_params = [p for p in self.unwrapped_model.parameters() if p.requires_grad]
         if not local_params:
             return
-        self.dp.unwrapped_model.register_forward_pre_hook(lambda *_: self._at("forward"))
+        self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at("forward"))
         if isinstance(local_params[0], DTensor):
             # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
             # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
@@ -154,13 +137,13 @@ class RecoverTrainer:
         if len(indices) == 0:
             return LocalWork()
         self._at("dataload")
-        unwrapped, pc = self.dp.unwrapped_model, self.parallel_context
+        unwrapped, pc = self.unwrapped_model, self.parallel_context
         batch = [
             place_microbatch(self.dp.local_rows(self.dataset.microbatch(step, i)), unwrapped, pc, self.device)
             for i in indices
         ]
         outputs = self.engine.train_batch_iter(
-            self.dp.model,
+            self.engine_model,
             pg=self.parallel_context.pp_pg,
             batch=batch,
             nb_microbatches=len(batch),
@@ -174,7 +157,7 @@ class RecoverTrainer:
     def train(self) -> None:
         self.step = self.checkpoints.maybe_resume(self)
         self.injector.maybe_fail(0, "startup:checkpoint_load")
-        self.dp.startup_complete(self)  # every rank ready: from here on a fault is recovered, not a restart
+        self.dp.startup_complete()  # every rank ready: from here on a fault is recovered, not a restart
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
         while self.step < total:
@@ -186,13 +169,13 @@ class RecoverTrainer:
             self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
             if self.checkpoints.due(step):
                 self._at("checkpoint")
-                self.dp.save_checkpoint(self, step)
-        self.dp.finish(self)
+                self.save_checkpoint(step)
+        self.dp.finish(self.step, self.services)
         self.metrics.close()
 
     def train_step(self, step: int) -> CommittedStep:
         self._current_step = step
-        result = self.dp.forward_backward_reduce(self, step)  # plan -> compute -> reduce (with recovery)
+        result = self.dp.forward_backward_reduce(step, self.services)  # plan -> compute -> reduce (with recovery)
         self._at("optimizer")
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step
             self.dp.sync_tied_gradients(self)
@@ -200,8 +183,15 @@ class RecoverTrainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.dp.zero_grad(self)
-        self.dp.after_commit(self, step)  # e.g. spare activation, state transfer
+        self.dp.after_commit(step, self, self.services)  # e.g. spare activation, state transfer
         return result
+
+    def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
+        """Save the committed state of ``step``; the strategy decides who writes and publishes."""
+        def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
+            self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra)
+
+        self.dp.save_checkpoint(step, write, self.services, extra_state=extra_state)
 
     def _clip(self) -> float | None:
         max_norm = self.config.optimizer.clip_grad
@@ -236,63 +226,6 @@ class RecoverTrainer:
             f"replicas {result.live_replicas} epoch {result.epoch} {elapsed * 1000:.0f} ms",
             flush=True,
         )
-
-
-class DataParallelStrategy:
-    """Everything that crosses replicas. Implemented by the stock path and by ReCoVer's resilient path."""
-
-    parallel_context: object
-    model: torch.nn.Module
-    unwrapped_model: torch.nn.Module
-    replica: int
-    local_rank: int
-
-    def attach_model(self, trainer: RecoverTrainer) -> None: ...
-
-    def computes(self) -> bool:
-        """Whether this rank computes microbatches (an idle spare does not)."""
-        return True
-
-    def startup_complete(self, trainer: RecoverTrainer) -> None:
-        """Called by every rank once it is ready to train (model built, checkpoint loaded)."""
-
-    def progress(self, step: int, phase: str) -> None:
-        """The main thread reached ``phase`` of ``step`` (for hang detection)."""
-
-    def checkpoint_layout(self) -> "CheckpointLayout | None":
-        """What goes inside a checkpoint folder (None: nanotron's format)."""
-        return None
-
-    def local_rows(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The rows of a global microbatch that this rank feeds (all of them unless a replica splits rows)."""
-        return microbatch
-
-    def clip_grad_norm(self, trainer: RecoverTrainer, max_norm: float) -> float:
-        """Clip the committed gradient to ``max_norm`` (nanotron's, over the replica's model-parallel group)."""
-        norm = clip_grad_norm(
-            mp_pg=self.parallel_context.mp_pg,
-            named_parameters=trainer.named_params,
-            max_norm=max_norm,
-            grad_accumulator=None,
-        )
-        return float(norm)
-
-    def sync_tied_gradients(self, trainer: RecoverTrainer) -> None:
-        """SUM the gradients of parameters tied across the replica's ranks (nanotron's tied-weight groups)."""
-        sync_tied_gradients(self.unwrapped_model, self.parallel_context)
-
-    def forward_backward_reduce(self, trainer: RecoverTrainer, step: int) -> CommittedStep: ...
-
-    def zero_grad(self, trainer: RecoverTrainer) -> None: ...
-
-    def after_commit(self, trainer: RecoverTrainer, step: int) -> None: ...
-
-    def is_logging_rank(self) -> bool: ...
-
-    def save_checkpoint(self, trainer: RecoverTrainer, step: int) -> None: ...
-
-    def finish(self, trainer: RecoverTrainer) -> None:
-        """Called by every rank after the last step."""
 
 
 def _init_std(config: RecoverConfig) -> float:

@@ -25,7 +25,7 @@ from nanotron_recover.recovery.buckets import local_tensor
 from nanotron_recover.recovery.optim_state import ensure_adam_state
 
 if TYPE_CHECKING:
-    from nanotron_recover.trainer import RecoverTrainer
+    from nanotron_recover.strategy import TrainingState
 
 FORMAT = "nanotron-recover-hsdp"
 VERSION = 1
@@ -44,7 +44,7 @@ class ShardedLayout:
         self.shard = shard
         self.num_shards = num_shards
 
-    def write(self, trainer: "RecoverTrainer", folder: Path, step: int) -> None:
+    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
         (folder / FOLDER).mkdir(exist_ok=True)
         inner = trainer.optimizer.optimizer
         ensure_adam_state(trainer.optimizer)
@@ -70,7 +70,7 @@ class ShardedLayout:
             torch.save(trainer.lr_scheduler.state_dict(), folder / FOLDER / "lr_scheduler.pt")
 
     @torch.no_grad()
-    def read(self, trainer: "RecoverTrainer", folder: Path) -> None:
+    def read(self, trainer: "TrainingState", folder: Path) -> None:
         manifest = json.loads((folder / FOLDER / "manifest.json").read_text())
         if manifest.get("format") != FORMAT or manifest.get("fsdp_shard_size") != self.num_shards:
             raise ValueError(

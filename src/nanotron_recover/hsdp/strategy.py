@@ -9,7 +9,6 @@ shard by shard: coordinate = shard index) and the commit are inherited unchanged
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,14 +17,12 @@ from nanotron_recover.hsdp.checkpoint import ShardedLayout
 from nanotron_recover.hsdp.sharding import clip_sharded_grad_, local_rows, shard_replica_model
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.resilient import ResilientDataParallel
-
-if TYPE_CHECKING:
-    from nanotron_recover.trainer import RecoverTrainer
+from nanotron_recover.strategy import AttachedModel, TrainingState
 
 
 class ShardedReplicaDataParallel(ResilientDataParallel):
-    def __init__(self, config: RecoverConfig, timeout_s: float) -> None:
-        super().__init__(config, timeout_s)
+    def __init__(self, config: RecoverConfig, timeout_s: float, end_job) -> None:
+        super().__init__(config, timeout_s, end_job)
         self.shard_size = config.fault_tolerance.fsdp_shard_size
         self.loss_divisor = self.M * self.shard_size  # each rank's loss covers 1/F of a microbatch's rows
 
@@ -37,20 +34,20 @@ class ShardedReplicaDataParallel(ResilientDataParallel):
     def _reports_loss(self) -> bool:
         return True  # every shard computes the loss of its own rows
 
-    def attach_model(self, trainer: "RecoverTrainer") -> None:
+    def attach_model(self, model, named_params, device) -> AttachedModel:
         """Shard the freshly initialised model (every replica holds the same full weights before), then lay the
         gradient shards into the flat buckets."""
-        shard_replica_model(trainer.model, self.parallel_context.dp_pg)
-        trainer.named_params = list(trainer.model.named_parameters())  # now the sharded DTensor parameters
-        super().attach_model(trainer)
+        shard_replica_model(model, self.parallel_context.dp_pg)
+        sharded = list(model.named_parameters())  # now the sharded DTensor parameters
+        return super().attach_model(model, sharded, device)
 
     def local_rows(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return local_rows(microbatch, self.local_rank, self.shard_size)
 
-    def clip_grad_norm(self, trainer: "RecoverTrainer", max_norm: float) -> float:
+    def clip_grad_norm(self, state: TrainingState, max_norm: float) -> float:
         return clip_sharded_grad_(self.buckets.flat, max_norm, self.parallel_context.dp_pg)
 
-    def sync_tied_gradients(self, trainer: "RecoverTrainer") -> None:
+    def sync_tied_gradients(self, state: TrainingState) -> None:
         """Nothing is tied across ranks: tp = pp = 1 and tied embeddings are rejected by the config."""
 
     def checkpoint_layout(self) -> ShardedLayout:

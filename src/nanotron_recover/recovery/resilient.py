@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Iterator
 
 import nanotron_recover.nanotron_compat  # noqa: F401
 import numpy as np
@@ -33,13 +33,18 @@ from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEven
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
 from nanotron_recover.recovery.optim_state import ensure_adam_state
-from nanotron_recover.trainer import CommittedStep, DataParallelStrategy, LocalWork
+from nanotron_recover.strategy import (
+    AttachedModel,
+    CheckpointWriter,
+    CommittedStep,
+    DataParallelStrategy,
+    LocalWork,
+    StepServices,
+    TrainingState,
+)
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.spares import ReplicaRoster
 from nanotron_recover.world import init_replica_torch_world
-
-if TYPE_CHECKING:
-    from nanotron_recover.trainer import RecoverTrainer
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
 
@@ -103,17 +108,15 @@ class ResilientDataParallel(DataParallelStrategy):
         return pp_rank == self.config.parallelism.pp - 1 and tp_rank == 0
 
     # ------------------------------------------------------------------------------------------------- model
-    def attach_model(self, trainer: "RecoverTrainer") -> None:
-        self.model = self.unwrapped_model = trainer.model
-        self.buckets = GradBuckets(
-            trainer.named_params, self.config.fault_tolerance.reduce_bucket_mb, device=trainer.device
-        )
+    def attach_model(self, model, named_params, device) -> AttachedModel:
+        self.buckets = GradBuckets(named_params, self.config.fault_tolerance.reduce_bucket_mb, device=device)
+        return AttachedModel(model=model, unwrapped=model, named_params=named_params)
 
     def computes(self) -> bool:
         return self.replica in self.ft.active_replicas
 
     # ------------------------------------------------------------------------------------------------- start-up
-    def startup_complete(self, trainer: "RecoverTrainer") -> None:
+    def startup_complete(self) -> None:
         """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with
         the restart outcome); then the start-up watchdog is disarmed and the hang monitor takes over."""
         try:
@@ -157,7 +160,7 @@ class ResilientDataParallel(DataParallelStrategy):
         return {**monitor.margin.as_dict(), "timeout_s": self.hang_policy.timeout_s}
 
     # ------------------------------------------------------------------------------------------------- step
-    def forward_backward_reduce(self, trainer: "RecoverTrainer", step: int) -> CommittedStep:
+    def forward_backward_reduce(self, step: int, services: StepServices) -> CommittedStep:
         self._step_started = time.monotonic()
         plan = self._plan(step)
         todo = plan.get(self.replica, [])
@@ -165,14 +168,14 @@ class ResilientDataParallel(DataParallelStrategy):
         recoveries = 0
         while True:
             try:
-                work += trainer.compute(step, todo, loss_divisor=self.loss_divisor)
+                work += services.compute(step, todo, self.loss_divisor)
                 todo = []
-                self._reduce(trainer, step, work)
+                self._reduce(services, step, work)
                 self.ft.agree(True)  # the commit point: once per attempt, on every live rank; raises on failure
                 break
             except FailureDetected:
                 recoveries += 1
-                plan, todo = self._recover(trainer, step, plan)
+                plan, todo = self._recover(services, step, plan)
         self.buckets.release(step)  # committed: the snapshots are no longer needed
         committed = int(round(self._stats[1]))
         loss = float(self._stats[0])
@@ -210,7 +213,7 @@ class ResilientDataParallel(DataParallelStrategy):
         by_slot = plan_step(step, self.M, slots if self.keep_global_batch else range(self.config.parallelism.dp))
         return {self.roster.replica_in_slot(slot): by_slot[slot] for slot in slots}
 
-    def _reduce(self, trainer: "RecoverTrainer", step: int, work: LocalWork) -> None:
+    def _reduce(self, services: StepServices, step: int, work: LocalWork) -> None:
         """SUM every bucket across the computing replicas, then the step's loss and microbatch count world-wide."""
         computing = self.computes()
         if computing:
@@ -219,35 +222,37 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.ft.allreduce_sum_(self.buckets.to_host(i), "coord")
                 self.buckets.from_host(i)
                 if i == 0:
-                    trainer.injector.maybe_fail(step, "reduce")
+                    services.fault_point(step, "reduce")
         self._stats[0] = work.loss_sum if (computing and self._reports_loss()) else 0.0
         self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
         self.ft.allreduce_sum_(self._stats, "world")
 
-    def _repair(self, trainer: "RecoverTrainer", step: int, phase: str) -> RepairEvent:
+    def _repair(self, services: StepServices, step: int, phase: str) -> RepairEvent:
         """Repair the world (``ReplicaEvicted`` on a rank of a failed replica), update the roster, log the event.
 
         The new lowest live rank takes over logging, re-logging the last committed step in case the old logger
         died before writing it.
         """
         self.ft.repair_hook = lambda point, attempt: (
-            trainer.injector.maybe_fail(step, "repair") if point == "after_shrink" else None
+            services.fault_point(step, "repair") if point == "after_shrink" else None
         )
         event = self.ft.repair()
         change = self.roster.on_failure(event.failed_replicas)
-        if self.is_logging_rank() and not trainer.metrics.enabled:
-            trainer.metrics.set_logging(True)
-            if trainer.last_record is not None:
-                trainer.metrics.log_step(trainer.last_record)
-        trainer.metrics.log_event({"event": "repair", "step": step, "phase": phase, **event.as_dict(),
+        metrics = services.metrics
+        if self.is_logging_rank() and not metrics.enabled:
+            metrics.set_logging(True)
+            last = services.last_record()
+            if last is not None:
+                metrics.log_step(last)
+        metrics.log_event({"event": "repair", "step": step, "phase": phase, **event.as_dict(),
                                    "activated_spares": list(change.activated)})
         if change.replacements:
             self._pending_activation = True
         return event
 
-    def _recover(self, trainer: "RecoverTrainer", step: int, plan: Plan) -> tuple[Plan, list[int]]:
+    def _recover(self, services: StepServices, step: int, plan: Plan) -> tuple[Plan, list[int]]:
         """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
-        event = self._repair(trainer, step, "in-step")
+        event = self._repair(services, step, "in-step")
         survivors = [r for r in plan if r not in event.failed_replicas]
         if not survivors or self.roster.below_minimum(self.min_replicas):
             raise BelowMinimumReplicas(len(survivors), self.min_replicas, last_committed_step=step - 1)
@@ -258,10 +263,10 @@ class ResilientDataParallel(DataParallelStrategy):
         return merge(plan, extra, event.failed_replicas), extra.get(self.replica, [])
 
     # ------------------------------------------------------------------------------------------------- commit
-    def zero_grad(self, trainer: "RecoverTrainer") -> None:
+    def zero_grad(self, state: TrainingState) -> None:
         self.buckets.zero_()
 
-    def after_commit(self, trainer: "RecoverTrainer", step: int) -> None:
+    def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
         """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
         self.progress(step, "spare-activation")
         donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step
@@ -270,52 +275,53 @@ class ResilientDataParallel(DataParallelStrategy):
                 new = set(self.roster.active) - donors
                 self.ft.set_active_replicas(self.roster.active)
                 if new:
-                    self._copy_state_to_new_replicas(trainer, donor=min(donors), new=new)
+                    self._copy_state_to_new_replicas(state, services, donor=min(donors), new=new)
                 self._pending_activation = False
             except FailureDetected:
-                event = self._repair(trainer, step, "spare-activation")
+                event = self._repair(services, step, "spare-activation")
                 donors -= set(event.failed_replicas)
                 if self.roster.below_minimum(self.min_replicas) or not donors:
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
         self.hang_policy.record_step(time.monotonic() - self._step_started)
 
-    def _copy_state_to_new_replicas(self, trainer: "RecoverTrainer", donor: int, new: set[int]) -> None:
+    def _copy_state_to_new_replicas(
+        self, state: TrainingState, services: StepServices, donor: int, new: set[int]
+    ) -> None:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
-        ensure_adam_state(trainer.optimizer)
-        for tensor in _state_tensors(trainer):
+        ensure_adam_state(state.optimizer)
+        for tensor in _state_tensors(state):
             _bcast_tensor(self.ft, tensor, donor)
-        trainer.metrics.log_event(
+        services.metrics.log_event(
             {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch}
         )
 
-    def finish(self, trainer: "RecoverTrainer") -> None:
+    def finish(self, step: int, services: StepServices) -> None:
         """A last agreement after the final step, so that a death after the last commit is known at shutdown."""
         try:
             self.ft.agree(True)
         except FailureDetected:
-            self._repair(trainer, trainer.step, "end")
+            self._repair(services, step, "end")
 
     # ------------------------------------------------------------------------------------------------- misc
     def is_logging_rank(self) -> bool:
         return not self.ft.evicted and self.ft.rank == min(self.ft.live_ranks)
 
-    def save_checkpoint(self, trainer: "RecoverTrainer", step: int, extra_state: dict | None = None) -> None:
+    def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
+                        extra_state: dict | None = None) -> None:
         """The lowest computing replica writes; all agree it is done. If the writer dies, the next one saves."""
         while True:
             writer_replica = min(self.ft.active_replicas)
-            trainer.checkpoints.save(
-                trainer,
-                step,
-                writer=self.replica == writer_replica,
-                barrier=lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
-                publisher=self.replica == writer_replica and self.local_rank == 0,
-                extra_state={"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
+            write(
+                self.replica == writer_replica,
+                lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
+                self.replica == writer_replica and self.local_rank == 0,
+                {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
             )
             try:
                 self.ft.agree(True)
                 return
             except FailureDetected:
-                self._repair(trainer, step, "checkpoint")
+                self._repair(services, step, "checkpoint")
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
 
@@ -342,12 +348,12 @@ def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
         ft.bcast_(tensor.view(-1).numpy(), root_replica=donor, comm="coord")  # zero-copy
 
 
-def _state_tensors(trainer: "RecoverTrainer"):
+def _state_tensors(state: TrainingState) -> Iterator[torch.Tensor]:
     """Parameters, then each one's optimizer state, in the same order on every replica."""
-    inner = trainer.optimizer.optimizer
-    for _, param in trainer.named_params:
+    inner = state.optimizer.optimizer
+    for _, param in state.named_params:
         yield param.data
-    for _, param in trainer.named_params:
+    for _, param in state.named_params:
         state = inner.state[param]
         for key in sorted(state):
             yield state[key]

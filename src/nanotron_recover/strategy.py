@@ -1,0 +1,165 @@
+"""The seam between the step loop and everything that crosses replicas.
+
+:class:`~nanotron_recover.trainer.RecoverTrainer` runs the step loop; a :class:`DataParallelStrategy` does what
+crosses replicas: the stock nanotron path (:mod:`nanotron_recover.stock`), ReCoVer's resilient path
+(:mod:`nanotron_recover.recovery.resilient`) and its HSDP variant (:mod:`nanotron_recover.hsdp.strategy`).
+A strategy never sees the trainer: it gets narrow collaborators (:class:`StepServices`: a compute callable, a
+fault hook, a metrics sink) and reads training state through :class:`TrainingState`, which the trainer satisfies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import torch
+from nanotron.optim.clip_grads import clip_grad_norm
+
+from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
+
+if TYPE_CHECKING:
+    from nanotron_recover.checkpoint import CheckpointLayout
+
+
+@dataclass
+class LocalWork:
+    """What this rank computed in a step: the loss sum (each microbatch's loss / the strategy's ``loss_divisor``:
+    M, or M x F for an HSDP rank that holds 1/F of each microbatch's rows) and the microbatch count."""
+
+    loss_sum: float = 0.0
+    microbatches: int = 0
+
+    def __iadd__(self, other: "LocalWork") -> "LocalWork":
+        self.loss_sum += other.loss_sum
+        self.microbatches += other.microbatches
+        return self
+
+
+@dataclass
+class CommittedStep:
+    """A step's result, identical on every live rank."""
+
+    loss: float
+    microbatches: int
+    epoch: int = 0
+    live_replicas: int = 1
+    recoveries: int = 0
+
+
+class MetricsSink(Protocol):
+    """Where step records and events go (:class:`nanotron_recover.metrics.MetricsLogger`)."""
+
+    enabled: bool
+
+    def set_logging(self, enabled: bool) -> None: ...
+
+    def log_step(self, record: dict[str, Any]) -> None: ...
+
+    def log_event(self, record: dict[str, Any]) -> None: ...
+
+
+# compute(step, global microbatch indices, loss divisor): forward/backward them, gradients accumulate in place
+ComputeFn = Callable[[int, Sequence[int], int], LocalWork]
+# write(writer, barrier, publisher, extra_state): save the committed state of the current step
+CheckpointWriter = Callable[[bool, Callable[[], None], bool, "dict | None"], None]
+
+
+@dataclass
+class StepServices:
+    """The trainer's side of the seam, as the strategy may use it."""
+
+    compute: ComputeFn
+    fault_point: Callable[[int, str], None]  # (step, phase): progress for the hang monitor + fault injection
+    metrics: MetricsSink
+    last_record: Callable[[], "dict | None"]  # the last committed step's record (a new logging rank re-logs it)
+
+
+class TrainingState(Protocol):
+    """What a strategy or a checkpoint layout reads of the training state (the trainer provides it)."""
+
+    config: Any
+    device: torch.device
+    M: int
+    parallel_context: Any
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    unwrapped_model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+
+
+@dataclass
+class AttachedModel:
+    """What :meth:`DataParallelStrategy.attach_model` made of the model: the module the engine runs (e.g. DDP), the
+    plain model, and the named parameters the optimizer steps (sharded ones for HSDP)."""
+
+    model: torch.nn.Module
+    unwrapped: torch.nn.Module
+    named_params: list[tuple[str, torch.nn.Parameter]]
+
+
+class DataParallelStrategy(ABC):
+    """Everything that crosses replicas. A subclass that misses an abstract method fails at construction."""
+
+    parallel_context: Any
+    replica: int
+    local_rank: int
+
+    @abstractmethod
+    def attach_model(
+        self, model: torch.nn.Module, named_params: list[tuple[str, torch.nn.Parameter]], device: torch.device
+    ) -> AttachedModel:
+        """Wrap the model (DDP) or lay its gradients into flat buckets; return what the trainer must use."""
+
+    @abstractmethod
+    def forward_backward_reduce(self, step: int, services: StepServices) -> CommittedStep:
+        """Plan, compute this rank's microbatches, reduce across replicas: the committed step."""
+
+    @abstractmethod
+    def zero_grad(self, state: TrainingState) -> None: ...
+
+    @abstractmethod
+    def is_logging_rank(self) -> bool: ...
+
+    @abstractmethod
+    def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
+                        extra_state: dict | None = None) -> None:
+        """Save the committed state of ``step`` through ``write`` (which ranks write, publish, and agree)."""
+
+    def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
+        """After the optimizer step (e.g. spare activation: a state transfer)."""
+
+    def finish(self, step: int, services: StepServices) -> None:
+        """Called by every rank after the last step."""
+
+    def startup_complete(self) -> None:
+        """Called by every rank once it is ready to train (model built, checkpoint loaded)."""
+
+    def progress(self, step: int, phase: str) -> None:
+        """The main thread reached ``phase`` of ``step`` (for hang detection)."""
+
+    def computes(self) -> bool:
+        """Whether this rank computes microbatches (an idle spare does not)."""
+        return True
+
+    def checkpoint_layout(self) -> "CheckpointLayout | None":
+        """What goes inside a checkpoint folder (None: nanotron's format)."""
+        return None
+
+    def local_rows(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rows of a global microbatch that this rank feeds (all of them unless a replica splits rows)."""
+        return microbatch
+
+    def clip_grad_norm(self, state: TrainingState, max_norm: float) -> float:
+        """Clip the committed gradient to ``max_norm`` (nanotron's, over the replica's model-parallel group)."""
+        norm = clip_grad_norm(
+            mp_pg=self.parallel_context.mp_pg,
+            named_parameters=state.named_params,
+            max_norm=max_norm,
+            grad_accumulator=None,
+        )
+        return float(norm)
+
+    def sync_tied_gradients(self, state: TrainingState) -> None:
+        """SUM the gradients of parameters tied across the replica's ranks (nanotron's tied-weight groups)."""
+        sync_tied_gradients(state.unwrapped_model, self.parallel_context)

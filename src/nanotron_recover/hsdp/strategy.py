@@ -21,8 +21,8 @@ from nanotron_recover.strategy import AttachedModel, TrainingState
 
 
 class ShardedReplicaDataParallel(ResilientDataParallel):
-    def __init__(self, config: RecoverConfig, timeout_s: float, end_job) -> None:
-        super().__init__(config, timeout_s, end_job)
+    def __init__(self, config: RecoverConfig, timeout_s: float, end_job, **injected) -> None:
+        super().__init__(config, timeout_s, end_job, **injected)
         self.shard_size = config.fault_tolerance.fsdp_shard_size
         self.loss_divisor = self.M * self.shard_size  # each rank's loss covers 1/F of a microbatch's rows
 

@@ -59,22 +59,34 @@ class BelowMinimumReplicas(RuntimeError):
 
 class ResilientDataParallel(DataParallelStrategy):
     """``end_job(reason)`` ends the whole job with the restart outcome (:func:`nanotron_recover.watchdog.end_job`);
-    it is called when a rank dies during start-up and when a hang cannot be ended by killing a rank."""
+    it is called when a rank dies during start-up and when a hang cannot be ended by killing a rank.
 
-    def __init__(self, config: RecoverConfig, timeout_s: float, end_job: Callable[[str], None]) -> None:
+    ``ft`` and ``parallel_context`` are built here (the ULFM world over ``MPI.COMM_WORLD``, then the replica's
+    torch world) unless given: tests of the step logic pass an in-memory stand-in of :class:`FTWorld`.
+    """
+
+    def __init__(
+        self,
+        config: RecoverConfig,
+        timeout_s: float,
+        end_job: Callable[[str], None],
+        *,
+        ft: FTWorld | None = None,
+        parallel_context: ReplicaParallelContext | None = None,
+    ) -> None:
         par, ft_args = config.parallelism, config.fault_tolerance
         self.config = config
         self.M = config.microbatches_per_step
         self.min_replicas = ft_args.min_replicas
         self.keep_global_batch = ft_args.keep_global_batch
-        world = MPI.COMM_WORLD
-        if world.Get_size() != config.world_size:
+        world = MPI.COMM_WORLD if ft is None else None
+        if world is not None and world.Get_size() != config.world_size:
             raise SystemExit(
                 f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs {config.world_size} "
                 f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x {config.ranks_per_replica} ranks per replica)"
             )
         rpr = config.ranks_per_replica
-        self.replica, self.local_rank = divmod(world.Get_rank(), rpr)
+        self.replica, self.local_rank = divmod(world.Get_rank() if world is not None else ft.rank, rpr)
         self.loss_divisor = self.M  # every microbatch's loss / M: the reduced gradient is the step's mean
         self.on_exit: Callable[[int, str], None] = lambda code, reason: None
         self.on_started: Callable[[], None] = lambda: None  # called once every rank is ready to train
@@ -84,13 +96,16 @@ class ResilientDataParallel(DataParallelStrategy):
         # The FT world first: from here on a death anywhere is noticed (and, during start-up, ends the job).
         active = list(range(par.dp))
         self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
-        self.ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict,
-                          on_startup_failure=self._on_startup_failure)
         self.hang_policy = HangPolicy(fixed_timeout_s=ft_args.hang_timeout_s, io_allowance_s=ft_args.startup_timeout_s)
-        replica_comm = self.ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
-        init_replica_torch_world(replica_comm, timeout_s)
-        replica_comm.Free()
-        self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
+        if ft is None:
+            ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict,
+                         on_startup_failure=self._on_startup_failure)
+            replica_comm = ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
+            init_replica_torch_world(replica_comm, timeout_s)
+            replica_comm.Free()
+            parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
+        self.ft = ft
+        self.parallel_context = parallel_context
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
         self._step_started = 0.0

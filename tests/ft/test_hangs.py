@@ -81,8 +81,12 @@ def test_a_frozen_rank_is_killed_and_the_step_recovered(phase, rank, tiny_config
     stall = assert_recovered(result, reference, victim_replica=1)
     hangs = result.events_of("hang_detected")
     victim = 1 * RPR + rank
-    assert any(h["reason"] == "silent" and h["rank"] == victim for h in hangs), hangs
-    print(f"\nSIGSTOP {phase} rank {rank}: stall {stall:.2f} s (hang_timeout_s {HANG_TIMEOUT_S:g})")
+    silent = [h for h in hangs if h["reason"] == "silent" and h["rank"] == victim]
+    assert silent, hangs
+    # where the frozen rank was when last heard (its heartbeats say where the main thread is, to ~0.1 s)
+    assert 0 < silent[0]["last_step"] <= FAULT_STEP and silent[0]["last_where"] != "other", silent
+    print(f"\nSIGSTOP {phase} rank {rank}: stall {stall:.2f} s (hang_timeout_s {HANG_TIMEOUT_S:g}); last heard at "
+          f"step {silent[0]['last_step']} {silent[0]['last_where']}")
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)

@@ -64,8 +64,23 @@ _HEARTBEAT, _KILL, _BYE = 1, 2, 3
 @dataclass
 class _Peer:
     last_heard: float
+    last_step: int = 0  # where the peer's main thread was at its last heartbeat
+    last_where: str = "start-up"
     bye: bool = False
     reported: bool = False
+
+
+# what a heartbeat says about the sender's main thread (an index into this table)
+WHERE_NAMES = ("start-up", "dataload", "forward", "backward", "reduce", "optimizer", "checkpoint", "repair",
+               "spare-activation", "waiting", "other")
+
+
+def _where_code(where: str) -> int:
+    if where in WHERE_NAMES:
+        return WHERE_NAMES.index(where)
+    if "(" in where or where in ("agree", "barrier"):  # a cross-replica MPI operation, e.g. allreduce(coord)
+        return WHERE_NAMES.index("waiting")
+    return WHERE_NAMES.index("other")
 
 
 @dataclass
@@ -119,7 +134,6 @@ class HangMonitor:
         self._kills: list[_KillOrder] = []
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
         self._inbox = np.zeros(4, dtype=np.int64)
-        self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-monitor", daemon=True)
         self._ended = False
@@ -143,14 +157,15 @@ class HangMonitor:
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
         req = self._post()
-        next_beat = 0.0
+        next_beat, last_where = 0.0, (-1, -1)
         while not self._stop.is_set():
             req = self._drain(req)
             now = time.monotonic()
-            if now >= next_beat:
-                self._send_to(self._recipients(), _HEARTBEAT, self._seq, 0)
-                self._seq += 1
-                next_beat = now + HEARTBEAT_PERIOD_S
+            progress = self.progress
+            where = (progress.step, _where_code(progress.where))
+            if now >= next_beat or where != last_where:  # a beat, or news of where the main thread is
+                self._send_to(self._recipients(), _HEARTBEAT, *where)
+                next_beat, last_where = now + HEARTBEAT_PERIOD_S, where
             try:
                 self._check(now)
             except Exception as exc:  # noqa: BLE001 - a monitor bug must not take the rank down silently
@@ -169,14 +184,15 @@ class HangMonitor:
             except MPI.Exception:  # a death interrupted the ANY_SOURCE receive: learn who, listen again
                 self._learn_failed()
                 return self._post() if req == MPI.REQUEST_NULL else req
-            kind, sender, a, _ = (int(x) for x in self._inbox)
-            self._handle(kind, sender, a)
+            kind, sender, a, b = (int(x) for x in self._inbox)
+            self._handle(kind, sender, a, b)
             req = self._post()
 
-    def _handle(self, kind: int, sender: int, a: int) -> None:
+    def _handle(self, kind: int, sender: int, a: int, b: int) -> None:
         peer = self._peers.get(sender)
         if kind == _HEARTBEAT and peer is not None:
-            peer.last_heard = time.monotonic()
+            peer.last_heard, peer.last_step = time.monotonic(), a
+            peer.last_where = WHERE_NAMES[b] if 0 <= b < len(WHERE_NAMES) else "?"
         elif kind == _BYE and peer is not None:
             peer.bye = True
         elif kind == _KILL and self.hosts[a] == self.hosts[self.rank] and a != self.rank:
@@ -222,6 +238,7 @@ class HangMonitor:
             self._report({
                 "reason": "silent", "rank": rank, "host": self.hosts[rank], "pid": self.pids[rank],
                 "silent_s": round(silence, 3), "timeout_s": timeout,
+                "last_step": peer.last_step, "last_where": peer.last_where,
                 "action": "kill" if helpers is None else f"ask ranks {helpers} on its node to kill it",
             })
             self._kill(rank, now, helpers)

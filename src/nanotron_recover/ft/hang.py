@@ -54,6 +54,7 @@ from .hang_policy import (
     peers_of,
 )
 from .layout import ReplicaLayout
+from .watcher import cancel_quietly
 
 HEARTBEAT_TAG = 0x4EA7
 MAX_PENDING_SENDS = 4096
@@ -171,7 +172,7 @@ class HangMonitor:
             except Exception as exc:  # noqa: BLE001 - a monitor bug must not take the rank down silently
                 self._report({"reason": "monitor error", "detail": repr(exc)})
             self._stop.wait(CHECK_INTERVAL_S)
-        self._cancel(req)
+        cancel_quietly(req)
 
     def _post(self) -> MPI.Request:
         return self._comm.Irecv([self._inbox, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG)
@@ -319,16 +320,6 @@ class HangMonitor:
                 self._pending.append((self._comm.Isend([buf, MPI.INT64_T], dest=dest, tag=HEARTBEAT_TAG), buf))
             except MPI.Exception:
                 self._dead.add(dest)
-
-    @staticmethod
-    def _cancel(req: MPI.Request) -> None:
-        if req == MPI.REQUEST_NULL:
-            return
-        try:
-            req.Cancel()
-            req.Wait()
-        except MPI.Exception:
-            pass
 
 
 def _done(req: MPI.Request) -> bool:

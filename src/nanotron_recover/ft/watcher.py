@@ -72,7 +72,7 @@ class FailureWatcher:
                 if req == MPI.REQUEST_NULL:
                     req = self._post()
             time.sleep(self._poll)
-        self._cancel(req)
+        cancel_quietly(req)
 
     def _collect(self, notice: float, err_class: int) -> None:
         try:
@@ -88,12 +88,13 @@ class FailureWatcher:
         if new:
             self._on_failure(new, notice)
 
-    @staticmethod
-    def _cancel(req: MPI.Request) -> None:
-        if req == MPI.REQUEST_NULL:
-            return
-        try:
-            req.Cancel()
-            req.Wait()
-        except MPI.Exception:
-            pass
+
+def cancel_quietly(req: MPI.Request) -> None:
+    """Cancel a pending receive that a failure may already have completed or broken (errors are expected)."""
+    if req == MPI.REQUEST_NULL:
+        return
+    try:
+        req.Cancel()
+        req.Wait()
+    except MPI.Exception:
+        pass

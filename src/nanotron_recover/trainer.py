@@ -188,6 +188,7 @@ class RecoverTrainer:
 
     def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
         """Save the committed state of ``step``; the strategy decides who writes and publishes."""
+        self.dp.progress(step, "checkpoint")  # a save may take up to startup_timeout_s (the hang monitor's allowance)
         def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
             self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra)
 

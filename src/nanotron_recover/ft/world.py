@@ -348,17 +348,18 @@ class FTWorld:
         Without failures, frees our communicators and finalizes MPI normally (and returns).
         """
         had = self.had_failure if had_failure is None else had_failure
-        if self.hang_monitor is not None:
-            self.hang_monitor.stop()
+        self.progress.waiting("shutdown")
         if self.watcher is not None:
-            self.watcher.stop()
+            self.watcher.stop()  # before the barrier: it must never repair concurrently with it
         if had or self.evicted:
-            if self.world_comm is not None:
+            if self.world_comm is not None:  # the hang monitor still runs: a rank frozen now cannot block this
                 try:
                     self.world_comm.Barrier()
                 except MPI.Exception:
                     pass
+            self._stop_hang_monitor()
             self._exit_now(code)
+        self._stop_hang_monitor()
         for c in (self.coord_comm, self.world_comm):
             if c is not None:
                 try:
@@ -368,6 +369,10 @@ class FTWorld:
         self.coord_comm = self.world_comm = None
         if not MPI.Is_finalized():
             MPI.Finalize()
+
+    def _stop_hang_monitor(self) -> None:
+        if self.hang_monitor is not None:
+            self.hang_monitor.stop()  # says goodbye: a rank that ends is not taken for a frozen one
 
     @staticmethod
     def _exit_now(code: int) -> None:

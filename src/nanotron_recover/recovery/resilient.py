@@ -316,6 +316,7 @@ class ResilientDataParallel(DataParallelStrategy):
             self.ft.agree(True)
         except FailureDetected:
             self._repair(services, step, "end")
+        self.ft.progress.waiting("finish")  # closing the metrics (wandb) is judged by the stall limit only
 
     # ------------------------------------------------------------------------------------------------- misc
     def is_logging_rank(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from nanotron_recover.mpirun import mpirun_command
+from nanotron_recover.runs import read_kills
 
 WORKER = Path(__file__).with_name("worker.py")
 HARD_TIMEOUT_S = 90.0
-_KILL_RE = re.compile(r"\[inject\] KILL replica (\d+) local rank (\d+) .* t=([0-9.]+)")
 
 
 @dataclass
@@ -58,5 +57,5 @@ def run_worker(n_procs: int, cfg: dict[str, Any], tmp: Path, timeout_s: float = 
     for f in tmp.glob("rank*.json"):
         d = json.loads(f.read_text())
         results[int(d["rank"])] = d
-    kills = [(int(m[1]), int(m[2]), float(m[3])) for m in _KILL_RE.finditer(out)]
+    kills = [(k["replica"], k["rank"], k["time"]) for k in read_kills(tmp)]  # the injector's own records
     return Run(out, results, kills, wall)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.runs import RunResult, read_kills, run_training
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +49,9 @@ def reference(tiny_config, tmp_path_factory) -> np.ndarray:
 
 
 def fault_time(run_dir: Path) -> float:
-    """When the scheduled fault fired: the time the injector wrote into its marker file."""
-    (marker,) = (Path(run_dir) / "injected").iterdir()
-    return float(marker.read_text())
+    """When the scheduled fault fired, as the injector recorded it."""
+    (fault,) = read_kills(run_dir)
+    return fault["time"]
 
 
 def assert_recovered(result: RunResult, reference: np.ndarray, victim_replica: int) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_RESTART
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.inject import INJECTED_DIR, FailureInjector
 from nanotron_recover.watchdog import StartupWatchdog, end_job
 
@@ -118,9 +118,9 @@ def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
     trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
     trainer.train()
     torch_dist.barrier()
-    record_exit(run_dir, torch_dist.get_rank(), 0, "finished")
+    record_exit(run_dir, torch_dist.get_rank(), EXIT_DONE, "finished")
     torch_dist.destroy_process_group()
-    return 0
+    return EXIT_DONE
 
 
 def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None) -> int:
@@ -154,7 +154,7 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
     dp.on_exit = lambda code, reason: record_exit(run_dir, rank, code, reason, hang_margin=dp.hang_margin())
     if guard is not None:
         dp.on_started = guard.watchdog.disarm
-    code, reason = 0, "finished"
+    code, reason = EXIT_DONE, "finished"
     try:
         trainer = RecoverTrainer(config, run_dir, dp)
         trainer.train()
@@ -180,17 +180,17 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
         try:
             dp.join_repair_after_error()  # a dead replica-mate broke our torch traffic: leave with the repair
         except ReplicaEvicted as e:
-            code, reason = 0, f"evicted after {type(error).__name__}: {e}"
+            code, reason = EXIT_DONE, f"evicted after {type(error).__name__}: {e}"
             print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
         else:
             # A bug, not a fault: the same error would hit every replica. Abort the whole job at once instead of
             # leaving the other ranks to wait out their torch timeouts.
             traceback.print_exc()
             sys.stderr.flush()
-            dp.on_exit(1, f"aborted: {type(error).__name__}: {error}")
+            dp.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
             from mpi4py import MPI
 
-            MPI.COMM_WORLD.Abort(1)
+            MPI.COMM_WORLD.Abort(EXIT_ABORTED)
     dp.on_exit(code, reason)
     sys.stdout.flush()
     dp.shutdown(code=code)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, read_kills, run_training
+from nanotron_recover.runs import RunResult, read_exits, read_kills, run_training
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,11 @@ TOL = 1e-5
 RPR = 4  # ranks per replica: TP2 x PP2
 
 
-def hang_config(tiny_config, inject: list[dict]) -> dict:
+def hang_config(tiny_config, inject: list[dict], collective_timeout_s: float = 120) -> dict:
     return tiny_config(
         dp=2, tp=2, pp=2, accumulation=2, steps=STEPS,
         fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "hang_timeout_s": HANG_TIMEOUT_S,
-                         "collective_timeout_s": 120, "inject": inject},
+                         "collective_timeout_s": collective_timeout_s, "inject": inject},
     )
 
 
@@ -100,3 +100,17 @@ def test_a_main_thread_stuck_in_compute_kills_its_own_rank(tiny_config, referenc
     stuck = [h for h in result.events_of("hang_detected") if h["reason"] == "stuck"]
     assert any(h["rank"] == 3 and h["step"] == FAULT_STEP for h in stuck), result.events_of("hang_detected")
     print(f"\nstuck main thread: stall {stall:.2f} s; hang events {json.dumps(stuck)[:300]}")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_a_torch_timeout_before_the_hang_timeout_waits_for_the_kill(tiny_config, reference, tmp_path):
+    """With ``collective_timeout_s`` (3 s) below ``hang_timeout_s`` (5 s) the frozen rank's replica-mates get a
+    torch timeout first; they must not abort the job but wait for the hang monitor's kill, then leave with the
+    repair."""
+    inject = [{"step": FAULT_STEP, "replica": 1, "rank": 0, "phase": "forward", "signal": "stop"}]
+    result = run_training(hang_config(tiny_config, inject, collective_timeout_s=3), tmp_path, timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
+    assert_recovered(result, reference, victim_replica=1)
+    exits = read_exits(tmp_path)
+    assert all(exits[r]["code"] == 0 for r in (0, 1, 2, 3)), exits  # the healthy replica finished
+    assert "aborted" not in result.output, result.output[-4000:]

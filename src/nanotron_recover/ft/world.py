@@ -142,14 +142,20 @@ class FTWorld:
         self.hang_monitor = monitor.start()
         return monitor
 
-    def wait_for_failure_notice(self) -> bool:
-        """Wait up to ``notice_timeout_s`` (+2 s) for the watcher to report a death; True if one came."""
-        deadline = time.monotonic() + self.notice_timeout_s + 2.0
-        while not self.failure_pending():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+    def wait_for_failure_notice(self, extra_s: float = 0.0) -> bool:
+        """Wait up to ``notice_timeout_s + extra_s`` (+2 s) for the watcher to report a death; True if one came.
+
+        ``extra_s``: time for the hang monitor to turn a hung peer into a dead one."""
+        deadline = time.monotonic() + self.notice_timeout_s + extra_s + 2.0
+        self.progress.waiting("failure notice")
+        try:
+            while not self.failure_pending():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+            return True
+        finally:
+            self.progress.resume()
 
     # ------------------------------------------------------------------ views
     @property

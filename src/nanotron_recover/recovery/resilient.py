@@ -30,6 +30,7 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.exit_codes import EXIT_RESTART
 from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent
+from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
 from nanotron_recover.recovery.optim_state import ensure_adam_state
@@ -215,7 +216,8 @@ class ResilientDataParallel(DataParallelStrategy):
         Returns normally when no process died (the error is a bug, not a fault) or when the repair kept this
         rank (then the error was not caused by the failure): the caller aborts.
         """
-        if self.ft.starting or not self.ft.wait_for_failure_notice():
+        # a torch error inside the replica: a replica-mate died, or hangs and the hang monitor will kill it
+        if self.ft.starting or not self.ft.wait_for_failure_notice(extra_s=self.hang_policy.timeout_s + KILL_CONFIRM_S):
             return
         self.ft.repair()
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Union
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import order)
 import dacite
 import yaml
 from nanotron.config import Config, DataArgs, LlamaConfig, PretrainDatasetsArgs, get_config_from_dict

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 
-import nanotron_recover.nanotron_compat  # noqa: F401
 import torch
 import torch.distributed as torch_dist
 from nanotron import distributed as dist

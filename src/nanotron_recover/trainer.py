@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import nanotron_recover.nanotron_compat  # noqa: F401  (nanotron import order)
 import torch
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.named_optimizer import NamedOptimizer

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-import nanotron_recover.nanotron_compat  # noqa: F401
 import numpy as np
 import torch
 import torch.distributed as torch_dist

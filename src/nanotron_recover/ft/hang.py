@@ -158,7 +158,7 @@ class HangMonitor:
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
         req = self._post()
-        next_beat, last_where = 0.0, (-1, -1)
+        next_beat, last_where, errors = 0.0, (-1, -1), 0
         while not self._stop.is_set():
             req = self._drain(req)
             now = time.monotonic()
@@ -170,7 +170,9 @@ class HangMonitor:
             try:
                 self._check(now)
             except Exception as exc:  # noqa: BLE001 - a monitor bug must not take the rank down silently
-                self._report({"reason": "monitor error", "detail": repr(exc)})
+                if not errors:
+                    self._report({"reason": "monitor error", "detail": repr(exc)})
+                errors += 1
             self._stop.wait(CHECK_INTERVAL_S)
         cancel_quietly(req)
 

@@ -33,4 +33,7 @@ def fake_nodes_env(folder: Path, slots_per_node: list[int]) -> dict[str, str]:
     agent.chmod(0o755)
     hostfile = folder / "hostfile"
     hostfile.write_text("".join(f"n{i + 1} slots={n}\n" for i, n in enumerate(slots_per_node)))
-    return {HOSTFILE_ENV: str(hostfile), MPIRUN_ARGS_ENV: shlex.join(["--prtemca", "plm_ssh_agent", str(agent)])}
+    # Shared memory only within a real node: processes of two fake nodes would map each other's segments wrongly
+    # (a segfault in mca_btl_sm_poll_handle_frag was seen), so the bed talks TCP, as real nodes do.
+    args = ["--prtemca", "plm_ssh_agent", str(agent), "--mca", "btl", "tcp,self"]
+    return {HOSTFILE_ENV: str(hostfile), MPIRUN_ARGS_ENV: shlex.join(args)}

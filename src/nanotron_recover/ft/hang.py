@@ -22,7 +22,9 @@ Decisions, each reported through ``on_hang`` (the ``hang_detected`` event) befor
 
 * a peer silent for ``timeout`` -> SIGKILL it. Of a peer's watchers the lowest live rank acts first; the others
   act one heartbeat period later each, if the peer is still not known dead (a watcher may be frozen too);
-* my own main thread busy with no progress for ``timeout`` -> SIGKILL myself;
+* my own main thread busy with no progress for ``timeout`` -> SIGKILL myself, unless a watched peer looks frozen:
+  then my stall is its doing and the silence path ends it (I may be the only live rank on its node, who must do
+  the kill), and I end myself only ``timeout + KILL_CONFIRM_S`` later if that failed;
 * a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host), or my
   main thread waiting in cross-replica MPI for ``stall_limit`` with nobody found hung -> ``end_job`` (restart).
 
@@ -222,7 +224,7 @@ class HangMonitor:
             if not order.confirmed and (order.target in dead or order.target not in live):
                 order.confirmed = True
         self._check_peers(now, live)
-        self._check_self(now)
+        self._check_self(now, live)
         self._check_kills(now)
 
     def _check_peers(self, now: float, live: set[int]) -> None:
@@ -246,13 +248,22 @@ class HangMonitor:
             })
             self._kill(rank, now, helpers)
 
-    def _check_self(self, now: float) -> None:
+    def _frozen_peers(self, now: float, live: set[int]) -> list[int]:
+        """Watched peers that look frozen (no heartbeat for two periods)."""
+        return [r for r, peer in self._peers.items()
+                if r in live and not peer.bye and now - peer.last_heard > 2 * HEARTBEAT_PERIOD_S]
+
+    def _check_self(self, now: float, live: set[int]) -> None:
         progress = self.progress
         state, where, since, step = progress.state, progress.where, progress.since, progress.step
         idle = now - since
         if state == BUSY:
             self.margin.max_busy_s = max(self.margin.max_busy_s, idle)
             limit = self.policy.busy_limit_s(where)
+            # A frozen peer explains my stall (I wait for it inside the replica): the silence path ends it, and I may
+            # be the one who must kill it (the only live rank on its node). Only if that fails, end myself.
+            if idle >= limit and self._frozen_peers(now, live):
+                limit += self.policy.timeout_s + KILL_CONFIRM_S
             if idle >= limit:
                 self._report({"reason": "stuck", "rank": self.rank, "host": self.hosts[self.rank],
                               "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit})

@@ -233,7 +233,9 @@ class HangMonitor:
             if peer.bye or peer.reported or rank not in live:
                 continue
             silence = now - peer.last_heard
-            self.margin.max_silence_s = max(self.margin.max_silence_s, silence)
+            if silence > self.margin.max_silence_s:
+                self.margin.max_silence_s = silence
+                self.margin.max_silence_of = f"rank {rank} at step {self.progress.step} {self.progress.where}"
             watchers = sorted(w for w in peers_of(self.layout, rank) if w in live)
             turn = watchers.index(self.rank) if self.rank in watchers else len(watchers)
             if silence < timeout + turn * HEARTBEAT_PERIOD_S:

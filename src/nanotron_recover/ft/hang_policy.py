@@ -83,6 +83,7 @@ class HangMargin:
     """The closest any check came to firing in this run (seconds): the margin to the timeout."""
 
     max_silence_s: float = 0.0
+    max_silence_of: str = ""  # which peer, at which of my steps (to explain a small margin)
     max_busy_s: float = 0.0
     max_waiting_s: float = 0.0
     checks: int = 0

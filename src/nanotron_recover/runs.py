@@ -19,6 +19,7 @@ import yaml
 
 from nanotron_recover.inject import SIGNALS
 from nanotron_recover.metrics import read_metrics_jsonl
+from nanotron_recover.train import EXITS_DIR
 
 
 @dataclass
@@ -90,7 +91,7 @@ def resumed_from(steps: Sequence[dict[str, Any]]) -> int:
 def read_exits(run_dir: Path) -> dict[int, dict]:
     """How each rank ended: ``{world rank: {"code", "reason"}}`` from ``exits/``; a SIGKILLed rank leaves none."""
     out = {}
-    for path in (Path(run_dir) / "exits").glob("rank-*.json"):
+    for path in (Path(run_dir) / EXITS_DIR).glob("rank-*.json"):
         record = json.loads(path.read_text())
         out[record["rank"]] = record
     return out

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from nanotron_recover.inject import SIGNALS
+from nanotron_recover.inject import INJECTED_DIR, SIGNALS  # the injector leaves one marker per fired entry there
 from nanotron_recover.metrics import read_metrics_jsonl
 from nanotron_recover.train import EXITS_DIR
 
@@ -52,8 +52,6 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [steps[k] for k in sorted(steps)], events
 
 
-# where the trainer's FailureInjector leaves one marker file per fired schedule entry (trainer.py: ``fired_dir``)
-INJECTED_DIR = "injected"
 # inject.marker_name: step{s}-replica{r}-rank{k}-{phase, or startup.<point>}[-{signal}]; later fields are ignored
 _MARKER = re.compile(r"step(\d+)-replica(\d+)-rank(\d+)-([a-z_]+)(?:\.([a-z_]+))?(?:-([a-z_]+))?(?:-.*)?")
 

@@ -59,15 +59,18 @@ def tiny_config():
 def _scan_hang_records(base: Path) -> tuple[list[str], list[dict]]:
     import json
 
+    from nanotron_recover.inject import INJECTED_DIR
+    from nanotron_recover.train import EXITS_DIR
+
     false_alarms, margins = [], []
     for metrics in base.rglob("metrics.jsonl"):
         run_dir = metrics.parent
-        injected = run_dir / "injected"
+        injected = run_dir / INJECTED_DIR
         expected = injected.is_dir() and any(m.name.endswith(("-stop", "-hang")) for m in injected.iterdir())
         for line in metrics.read_text(errors="replace").splitlines():
             if '"hang_detected"' in line and not expected:
                 false_alarms.append(f"{run_dir}: {line[:300]}")
-        for exit_record in (run_dir / "exits").glob("rank-*.json"):
+        for exit_record in (run_dir / EXITS_DIR).glob("rank-*.json"):
             try:
                 margin = json.loads(exit_record.read_text()).get("hang_margin")
             except ValueError:

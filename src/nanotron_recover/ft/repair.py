@@ -42,6 +42,64 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+@dataclass
+class _Exclusion:
+    """Who leaves, as derived from one ``Shrink`` result (identical on every survivor)."""
+
+    members: list[int]
+    dead: list[int]
+    failed_replicas: list[int]
+    evicted_ranks: list[int]
+    new_active: list[int]
+
+
+def _release_peers(world_comm: MPI.Comm, coord_comm: MPI.Comm | None, entry_agree: bool) -> None:
+    """Revoke, so that every peer leaves its blocked operation, and match a peer's pending commit Agree.
+
+    Revoke interrupts every operation except Agree: a peer may sit in its commit ``FTWorld.agree`` on this
+    communicator and would wait there for us forever. Our matching Agree (with the "repairing" bit clear)
+    completes it, uniformly, as a failure everywhere; then everybody meets in Shrink.
+    """
+    try_revoke(coord_comm)
+    try_revoke(world_comm)
+    if entry_agree:
+        try:
+            world_comm.Agree(ENTRY_FLAG)
+        except MPI.Exception:
+            pass
+
+
+def _exclusion(shrunk: MPI.Comm, original_group: MPI.Group, before: set[int], layout: ReplicaLayout,
+               active_replicas: Sequence[int]) -> _Exclusion:
+    """The dead ranks, their whole replicas, and the alive ranks of those replicas, who leave too."""
+    members = original_ranks(shrunk, original_group)
+    dead = sorted(before - set(members))
+    failed_replicas = layout.replicas_of(dead)
+    evicted_ranks = sorted(r for r in members if layout.replica_of(r) in set(failed_replicas))
+    new_active = [r for r in active_replicas if r not in set(failed_replicas)]
+    return _Exclusion(members, dead, failed_replicas, evicted_ranks, new_active)
+
+
+def _rebuild(shrunk: MPI.Comm, layout: ReplicaLayout, my_rank: int, evicted: bool,
+             new_active: Sequence[int]) -> tuple[MPI.Comm | None, MPI.Comm | None, int]:
+    """The new world and coordinate communicators (the evicted take part in the first split only, with
+    UNDEFINED); ``ok`` is 0 if this rank's rebuild failed (a new failure): the commit Agree then retries."""
+    new_world: MPI.Comm | None = None
+    new_coord: MPI.Comm | None = None
+    try:
+        new_world = shrunk.Split(MPI.UNDEFINED if evicted else 0, my_rank)
+        if new_world == MPI.COMM_NULL:
+            new_world = None
+        if new_world is not None:
+            new_world.Set_errhandler(MPI.ERRORS_RETURN)
+            new_coord = split_coord_comm(new_world, layout, my_rank, new_active)
+    except MPI.Exception:
+        try_revoke(new_world)  # a peer may be blocked in the coord split: release it
+        try_revoke(shrunk)
+        return new_world, new_coord, 0
+    return new_world, new_coord, 1
+
+
 def run_repair(
     world_comm: MPI.Comm,
     coord_comm: MPI.Comm | None,
@@ -62,18 +120,8 @@ def run_repair(
     """
     t_start = time.perf_counter()
     event = RepairEvent(new_epoch, [], [], [], [], [])
-
     t0 = time.perf_counter()
-    try_revoke(coord_comm)
-    try_revoke(world_comm)
-    # Revoke interrupts every operation except Agree: a peer may sit in its commit ``FTWorld.agree`` on this
-    # communicator and would wait there for us forever.  Our matching Agree (with the "repairing" bit clear)
-    # completes it, uniformly, as a failure everywhere; then everybody meets in Shrink.
-    if entry_agree:
-        try:
-            world_comm.Agree(ENTRY_FLAG)
-        except MPI.Exception:
-            pass
+    _release_peers(world_comm, coord_comm, entry_agree)
     event.revoke_ms = _ms(t0)
 
     comm = world_comm
@@ -92,29 +140,11 @@ def run_repair(
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         if hook is not None:
             hook("after_shrink", attempt)
-        members = original_ranks(shrunk, original_group)
-        dead = sorted(before - set(members))
-        failed_replicas = layout.replicas_of(dead)
-        evicted_ranks = sorted(r for r in members if layout.replica_of(r) in set(failed_replicas))
-        evicted = my_rank in evicted_ranks
-        new_active = [r for r in active_replicas if r not in set(failed_replicas)]
+        out = _exclusion(shrunk, original_group, before, layout, active_replicas)
+        evicted = my_rank in out.evicted_ranks
 
-        # Rebuild the new communicators (the evicted take part in the first split only, with UNDEFINED).
         t0 = time.perf_counter()
-        new_world: MPI.Comm | None = None
-        new_coord: MPI.Comm | None = None
-        ok = 1
-        try:
-            new_world = shrunk.Split(MPI.UNDEFINED if evicted else 0, my_rank)
-            if new_world == MPI.COMM_NULL:
-                new_world = None
-            if new_world is not None:
-                new_world.Set_errhandler(MPI.ERRORS_RETURN)
-                new_coord = split_coord_comm(new_world, layout, my_rank, new_active)
-        except MPI.Exception:
-            ok = 0
-            try_revoke(new_world)  # a peer may be blocked in the coord split: release it
-            try_revoke(shrunk)
+        new_world, new_coord, ok = _rebuild(shrunk, layout, my_rank, evicted, out.new_active)
         event.rebuild_ms += _ms(t0)
         if hook is not None:
             hook("after_rebuild", attempt)
@@ -133,12 +163,12 @@ def run_repair(
             comm = shrunk
             continue
 
-        event.failed_ranks = dead
-        event.failed_replicas = failed_replicas
-        event.evicted_ranks = evicted_ranks
-        event.active_replicas = new_active
+        event.failed_ranks = out.dead
+        event.failed_replicas = out.failed_replicas
+        event.evicted_ranks = out.evicted_ranks
+        event.active_replicas = out.new_active
         live = [] if evicted else original_ranks(new_world, original_group)  # type: ignore[arg-type]
-        event.live_replicas = layout.replicas_of(r for r in members if r not in set(evicted_ranks))
+        event.live_replicas = layout.replicas_of(r for r in out.members if r not in set(out.evicted_ranks))
         event.total_ms = _ms(t_start)
         return RepairOutcome(new_world, new_coord, live, event, evicted)
 

@@ -55,29 +55,32 @@ def tiny_config():
 # ---------------------------------------------------------------------------------------------- hang detector
 # Every fault-tolerant run of the suite has the hang monitor on. At the end of the session, scan every run dir the
 # tests made: a ``hang_detected`` event in a run that injected no SIGSTOP / hang is a false alarm (it fails the
-# session), and the closest any run came to its timeout is printed (the margin).
-def _scan_hang_records(base: Path) -> tuple[list[str], list[dict]]:
+# session); the closest any run came to its timeout is printed (the margin), and so is every repair round that
+# found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting).
+def _scan_run_records(base: Path) -> dict[str, list]:
     import json
 
     from nanotron_recover.inject import INJECTED_DIR
     from nanotron_recover.train import EXITS_DIR
 
-    false_alarms, margins = [], []
+    found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": []}
     for metrics in base.rglob("metrics.jsonl"):
         run_dir = metrics.parent
         injected = run_dir / INJECTED_DIR
         expected = injected.is_dir() and any(m.name.endswith(("-stop", "-hang")) for m in injected.iterdir())
         for line in metrics.read_text(errors="replace").splitlines():
             if '"hang_detected"' in line and not expected:
-                false_alarms.append(f"{run_dir}: {line[:300]}")
+                found["false_alarms"].append(f"{run_dir}: {line[:300]}")
+            if '"repair_without_failure"' in line:
+                found["without_failure"].append(f"{run_dir}: {line[:300]}")
         for exit_record in (run_dir / EXITS_DIR).glob("rank-*.json"):
             try:
                 margin = json.loads(exit_record.read_text()).get("hang_margin")
             except ValueError:
                 continue
             if margin and not expected:
-                margins.append(margin)
-    return false_alarms, margins
+                found["margins"].append(margin)
+    return found
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -88,24 +91,28 @@ def pytest_sessionfinish(session, exitstatus):
         base = factory.getbasetemp()
     except Exception:  # noqa: BLE001 - no tmp dir was made
         return
-    false_alarms, margins = _scan_hang_records(base)
-    session.config._hang_report = (false_alarms, margins)
-    if false_alarms:
+    found = _scan_run_records(base)
+    session.config._run_records = found
+    if found["false_alarms"]:
         session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    false_alarms, margins = getattr(config, "_hang_report", ([], []))
-    if not margins and not false_alarms:
+    found = getattr(config, "_run_records", None)
+    if not found or not any(found.values()):
         return
     terminalreporter.section("hang detector")
+    margins = found["margins"]
     if margins:
         busy = max(m["max_busy_s"] for m in margins)
-        silence = max(m["max_silence_s"] for m in margins)
+        silence = max(margins, key=lambda m: m["max_silence_s"])
         ratio = max(max(m["max_busy_s"], m["max_silence_s"]) / m["timeout_s"] for m in margins)
         terminalreporter.write_line(
-            f"{len(margins)} rank records of failure-free-of-hangs runs: longest busy stretch without progress "
-            f"{busy:.2f} s, longest silence {silence:.2f} s; worst ratio to the rank's timeout {ratio:.3f}"
+            f"{len(margins)} rank records of runs without an injected hang: longest busy stretch without progress "
+            f"{busy:.2f} s, longest silence {silence['max_silence_s']:.2f} s ({silence.get('max_silence_of', '')}); "
+            f"worst ratio to the rank's timeout {ratio:.3f}"
         )
-    for alarm in false_alarms:
+    for line in found["without_failure"]:
+        terminalreporter.write_line(f"repair without a failure (logged, trajectory kept): {line}")
+    for alarm in found["false_alarms"]:
         terminalreporter.write_line(f"FALSE ALARM: {alarm}")

@@ -211,3 +211,19 @@ def test_below_min_replicas_stops_with_the_last_committed_step() -> None:
     with pytest.raises(BelowMinimumReplicas) as stopped:
         strategy.forward_backward_reduce(STEP, services(training, Sink()))
     assert stopped.value.last_committed_step == STEP - 1
+
+
+def test_a_repair_that_finds_no_dead_rank_reduces_again_and_is_logged_as_such() -> None:
+    """The commit agreement can come back without the healthy bit while nobody failed (seen under load): every rank
+    repairs alike, nobody is dead, the step is reduced again from its snapshots and committed once."""
+    strategy, world, training = make(dp=2)
+    plan = plan_step(STEP, strategy.M, [0, 1])
+    world.others_per_microbatch = world.others_microbatches = len(plan[1])
+    world.after_repair = (len(plan[1]), len(plan[1]))  # replica 1 is still there and contributes again
+    world.fail_at, world.next_failure = ("agree", 1), []
+    sink = Sink()
+    result = strategy.forward_backward_reduce(STEP, services(training, sink))
+    assert training.computed == [plan[0]]  # nothing to recompute
+    assert result.microbatches == strategy.M and result.recoveries == 1 and result.live_replicas == 2
+    np.testing.assert_array_equal(committed_gradient(training), strategy.M)
+    assert [e["event"] for e in sink.events] == ["repair_without_failure"]

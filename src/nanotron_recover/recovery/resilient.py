@@ -47,6 +47,7 @@ from nanotron_recover.workload.spares import ReplicaRoster
 from nanotron_recover.world import init_replica_torch_world
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
+REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
 
 
 class BelowMinimumReplicas(RuntimeError):
@@ -260,8 +261,15 @@ class ResilientDataParallel(DataParallelStrategy):
             last = services.last_record()
             if last is not None:
                 metrics.log_step(last)
-        metrics.log_event({"event": "repair", "step": step, "phase": phase, **event.as_dict(),
-                                   "activated_spares": list(change.activated)})
+        record = {"event": "repair", "step": step, "phase": phase, **event.as_dict(),
+                  "activated_spares": list(change.activated)}
+        if not event.failed_ranks:
+            # Seen (rarely, under heavy load and after failures): the commit Agree came back, uniformly, without
+            # the healthy bit although no rank was repairing. Every rank then enters the repair alike, Shrink
+            # finds nobody dead, and the step is reduced again from its snapshots: the trajectory is kept. It is
+            # logged as what it is, apart from the repairs of real failures.
+            record["event"] = REPAIR_WITHOUT_FAILURE
+        metrics.log_event(record)
         if change.replacements:
             self._pending_activation = True
         return event

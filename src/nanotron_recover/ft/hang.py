@@ -60,6 +60,7 @@ from .watcher import cancel_quietly
 
 HEARTBEAT_TAG = 0x4EA7
 MAX_PENDING_SENDS = 4096
+BYE_FLUSH_S = 0.5
 # message kinds (int64[4]: kind, sender, a, b)
 _HEARTBEAT, _KILL, _BYE = 1, 2, 3
 
@@ -156,6 +157,10 @@ class HangMonitor:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(2.0)
         self._send_to(self._recipients(), _BYE, 0, 0)
+        deadline = time.monotonic() + BYE_FLUSH_S  # MPI_Finalize or an exit may follow: let the goodbyes leave
+        while self._pending and time.monotonic() < deadline:
+            self._pending = [(r, buf) for r, buf in self._pending if not _done(r)]
+            time.sleep(0.01)
 
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
@@ -228,23 +233,25 @@ class HangMonitor:
         self._check_kills(now)
 
     def _check_peers(self, now: float, live: set[int]) -> None:
-        timeout = self.policy.timeout_s
         for rank, peer in self._peers.items():
             if peer.bye or peer.reported or rank not in live:
                 continue
             silence = now - peer.last_heard
+            # a peer that said it is saving a checkpoint gets the io allowance (serialisation may hold its interpreter)
+            limit = self.policy.busy_limit_s(peer.last_where)
             if silence > self.margin.max_silence_s:
                 self.margin.max_silence_s = silence
-                self.margin.max_silence_of = f"rank {rank} at step {self.progress.step} {self.progress.where}"
+                self.margin.max_silence_of = (f"rank {rank} (last heard at step {peer.last_step} {peer.last_where}), "
+                                              f"me at step {self.progress.step} {self.progress.where}")
             watchers = sorted(w for w in peers_of(self.layout, rank) if w in live)
             turn = watchers.index(self.rank) if self.rank in watchers else len(watchers)
-            if silence < timeout + turn * HEARTBEAT_PERIOD_S:
+            if silence < limit + turn * HEARTBEAT_PERIOD_S:
                 continue
             peer.reported = True
             helpers = self._helpers_for(rank)
             self._report({
                 "reason": "silent", "rank": rank, "host": self.hosts[rank], "pid": self.pids[rank],
-                "silent_s": round(silence, 3), "timeout_s": timeout,
+                "silent_s": round(silence, 3), "timeout_s": limit,
                 "last_step": peer.last_step, "last_where": peer.last_where,
                 "action": "kill" if helpers is None else f"ask ranks {helpers} on its node to kill it",
             })

@@ -90,7 +90,10 @@ def read_exits(run_dir: Path) -> dict[int, dict]:
     """How each rank ended: ``{world rank: {"code", "reason"}}`` from ``exits/``; a SIGKILLed rank leaves none."""
     out = {}
     for path in (Path(run_dir) / EXITS_DIR).glob("rank-*.json"):
-        record = json.loads(path.read_text())
+        try:
+            record = json.loads(path.read_text())
+        except ValueError:  # written before records were atomic, or not by us: no record
+            continue
         out[record["rank"]] = record
     return out
 

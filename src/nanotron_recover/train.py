@@ -9,7 +9,6 @@ rank whose replica was evicted), 2 bad input, 3 not finished, relaunch to resume
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import Any, Sequence
 
 from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.inject import INJECTED_DIR, FailureInjector
-from nanotron_recover.watchdog import StartupWatchdog, end_job
+from nanotron_recover.watchdog import StartupWatchdog, end_job, write_record_atomically
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
 EXITS_DIR = "exits"
@@ -101,10 +100,8 @@ def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | N
 
 def record_exit(run_dir: Path, rank: int, code: int, reason: str, **extra: Any) -> None:
     """``<run_dir>/exits/rank-<r>.json``: how each rank ended (mpirun's own exit code says little under ULFM)."""
-    folder = run_dir / EXITS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "code": code, "reason": reason, **{k: v for k, v in extra.items() if v}}
-    (folder / f"rank-{rank}.json").write_text(json.dumps(record))
+    write_record_atomically(run_dir / EXITS_DIR / f"rank-{rank}.json", record)
 
 
 def _run_stock(config, run_dir: Path, timeout_s: float) -> int:

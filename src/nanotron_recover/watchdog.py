@@ -67,13 +67,21 @@ def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = N
         pass
 
 
+def write_record_atomically(path: Path, record: dict) -> None:
+    """``path`` holds the whole JSON record or the previous one, never a torn one: a rank's exit record may be
+    written while the job is being torn down (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def _write_exit_record(path: Path, reason: str) -> None:
     from nanotron_recover.exit_codes import EXIT_RESTART
 
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         rank = int(path.stem.split("-")[-1])
-        path.write_text(json.dumps({"rank": rank, "code": EXIT_RESTART, "reason": reason}))
+        write_record_atomically(path, {"rank": rank, "code": EXIT_RESTART, "reason": reason})
     except (OSError, ValueError):
         pass
 

@@ -191,9 +191,10 @@ class HangMonitor:
             try:
                 if not req.Test():
                     return req
-            except MPI.Exception:  # a death interrupted the ANY_SOURCE receive: learn who, listen again
-                self._learn_failed()
-                return self._post() if req == MPI.REQUEST_NULL else req
+            except MPI.Exception:  # a death interrupted the ANY_SOURCE receive: learn who, listen again on a
+                self._learn_failed()  # fresh request (re-testing the interrupted one kept failing: deaf for good)
+                cancel_quietly(req)
+                return self._post()
             kind, sender, a, b = (int(x) for x in self._inbox)
             self._handle(kind, sender, a, b)
             req = self._post()
@@ -341,7 +342,7 @@ class HangMonitor:
             try:
                 self._pending.append((self._comm.Isend([buf, MPI.INT64_T], dest=dest, tag=HEARTBEAT_TAG), buf))
             except MPI.Exception:
-                self._dead.add(dest)
+                pass  # deaths are learnt from the failure notices only, never guessed from a failed send
 
 
 def _done(req: MPI.Request) -> bool:

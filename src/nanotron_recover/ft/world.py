@@ -28,6 +28,7 @@ from .repair import HEALTHY_BIT, run_repair
 from .watcher import FailureWatcher
 
 CommName = Literal["coord", "world"]
+STARTUP_AGREE_ATTEMPTS = 3
 LogFn = Callable[[str], None]
 
 
@@ -124,7 +125,18 @@ class FTWorld:
 
         Until this returns, a death notice goes to ``on_startup_failure`` instead of a repair.
         """
-        self.agree(True)
+        for attempt in range(1, STARTUP_AGREE_ATTEMPTS + 1):
+            try:
+                self.agree(True)
+                break
+            except FailureDetected as e:
+                # Seen here: the Agree came back, uniformly, without the healthy bit although nobody was repairing.
+                # Every rank got the same value, so every rank is here: if no death is noticed, all retry alike.
+                if e.error_class != -1 or attempt == STARTUP_AGREE_ATTEMPTS or self.wait_for_failure_notice():
+                    raise
+                self._commit_agree_failed, self._cause = False, None
+                self._log(f"[ft rank {self.rank}] start-up agreement came back without the healthy bit and no rank "
+                          f"failed: agreeing again ({attempt})")
         self.starting = False
 
     def start_hang_monitor(

@@ -133,6 +133,7 @@ class HangMonitor:
         self._on_hang, self._end_job = on_hang, end_job
         self.margin = HangMargin()
         self._watched = peers_of(layout, self.rank)
+        self._watchers_of = {p: peers_of(layout, p) for p in self._watched}  # fixed grid: computed once
         self._peers: dict[int, _Peer] = {}
         self._dead: set[int] = set()
         self._kills: list[_KillOrder] = []
@@ -244,7 +245,7 @@ class HangMonitor:
                 self.margin.max_silence_s = silence
                 self.margin.max_silence_of = (f"rank {rank} (last heard at step {peer.last_step} {peer.last_where}), "
                                               f"me at step {self.progress.step} {self.progress.where}")
-            watchers = sorted(w for w in peers_of(self.layout, rank) if w in live)
+            watchers = [w for w in self._watchers_of[rank] if w in live]  # peers_of is sorted
             turn = watchers.index(self.rank) if self.rank in watchers else len(watchers)
             if silence < limit + turn * HEARTBEAT_PERIOD_S:
                 continue

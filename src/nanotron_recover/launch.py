@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT
-from nanotron_recover.mpirun import mpirun_command, python_module_command
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
@@ -45,6 +45,9 @@ def add_override_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data-folder", help="train on this datatrove token folder instead of the config's data")
     data.add_argument("--synthetic-data", action="store_true", help="train on the deterministic synthetic stream")
     parser.add_argument("--train-steps", type=int, help="override tokens.train_steps")
+    parser.add_argument("--replicas", type=int, help="train on this many replicas (parallelism.dp), keeping the "
+                        "global batch M = dp x batch_accumulation_per_replica: the accumulation becomes M / replicas "
+                        "(a relaunch on fewer nodes resumes the same trajectory)")
 
 
 def _free_port() -> int:
@@ -61,7 +64,27 @@ def forwarded_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
         out.append("--synthetic-data")
     if args.train_steps:
         out += ["--train-steps", str(args.train_steps)]
+    if args.replicas:
+        out += ["--replicas", str(args.replicas)]
     return out
+
+
+def apply_replicas(config: "RecoverConfig", replicas: int) -> None:
+    """``--replicas R``: ``dp = R`` and ``batch_accumulation_per_replica = M / R``, so every step still commits the
+    same M global microbatches (a checkpoint resumes only with the same M). ``min_replicas`` is capped at R."""
+    from nanotron_recover.config import ConfigError, validate
+
+    m = config.microbatches_per_step
+    if replicas < 1 or m % replicas:
+        raise ConfigError(f"--replicas {replicas}: the global batch of M = {m} microbatches "
+                          f"(dp x batch_accumulation_per_replica) must be divisible by it")
+    config.parallelism.dp = replicas
+    config.tokens.batch_accumulation_per_replica = m // replicas
+    if config.fault_tolerance is not None and config.fault_tolerance.min_replicas > replicas:
+        print(f"[nanotron-recover] --replicas {replicas}: min_replicas {config.fault_tolerance.min_replicas} "
+              f"lowered to {replicas}", file=sys.stderr, flush=True)
+        config.fault_tolerance.min_replicas = replicas
+    validate(config)
 
 
 def load_effective_config(args: argparse.Namespace) -> "RecoverConfig":
@@ -73,6 +96,8 @@ def load_effective_config(args: argparse.Namespace) -> "RecoverConfig":
     apply_overrides(
         config, data_folder=args.data_folder, synthetic_data=args.synthetic_data, train_steps=args.train_steps
     )
+    if getattr(args, "replicas", None):
+        apply_replicas(config, args.replicas)
     check_runtime_inputs(config)
     return config
 
@@ -92,8 +117,20 @@ def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig",
     return cmd, config, run_dir
 
 
+def placement_warnings(config: "RecoverConfig") -> list[str]:
+    """Where replicas land on the nodes of ``NANOTRON_RECOVER_HOSTFILE`` (empty: one node each, or no hostfile)."""
+    hostfile = os.environ.get(HOSTFILE_ENV)
+    found = hostfile_slots(hostfile) if hostfile and Path(hostfile).is_file() else None
+    if found is None:
+        return []
+    names, slots = found
+    return replica_placement(slots, config.world_size, config.ranks_per_replica, names)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     cmd, config, run_dir = train_command(args)
+    for warning in placement_warnings(config):
+        print(f"[nanotron-recover] warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
@@ -102,8 +139,43 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.sharded_replicas:
         mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
-    os.execv(cmd[0], cmd)
-    return 0  # not reached
+    rc = _run_forwarding_signals(cmd)
+    return _judge(run_dir, config, rc)
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); SIGTERM,
+    SIGINT and SIGHUP sent to the launcher go on to mpirun, which ends the job."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd)
+    forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
+            continue
+
+
+def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:
+    """The launcher's exit code, from what the run wrote. Under ``--with-ft ulfm`` mpirun returns 0 even when the
+    whole job was torn down (a node's daemon lost: FACTS.md, "Many nodes"): a run that did not reach its last
+    step then exits 3, so that a relaunch resumes from latest.txt."""
+    from nanotron_recover.runs import run_outcome
+
+    verdict, detail = run_outcome(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config))
+    if verdict == "done" or mpirun_rc != 0:
+        return EXIT_DONE if verdict == "done" else mpirun_rc
+    print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
+          "resume from latest.txt", file=sys.stderr, flush=True)
+    return EXIT_RESTART
+
+
+def _checkpoints_path(config: "RecoverConfig") -> str:
+    return str(config.checkpoints.checkpoints_path) if config.checkpoints is not None else "checkpoints"
 
 
 def _cmd_prepare_data(args: argparse.Namespace) -> int:

@@ -40,7 +40,10 @@ def mpirun_command(
     just before the program."""
     if n_procs < 1:
         raise ValueError(f"n_procs must be >= 1, got {n_procs}")
-    cmd = [mpirun_executable(), "-n", str(n_procs), "--bind-to", "none", "--mca", "pml", "ob1"]
+    # --map-by slot: ranks fill each node's slots in rank order before the next node; a replica is a run of
+    # consecutive ranks, so a node holds whole replicas when ranks_per_replica divides its slots (see
+    # replica_placement), and a node loss takes whole replicas with it
+    cmd = [mpirun_executable(), "-n", str(n_procs), "--map-by", "slot", "--bind-to", "none", "--mca", "pml", "ob1"]
     if ulfm:
         cmd += [
             "--with-ft",
@@ -71,3 +74,74 @@ def mpirun_command(
 def python_module_command(module: str, args: Sequence[str]) -> list[str]:
     """The per-rank program: this interpreter running ``python -m module args``."""
     return [sys.executable, "-u", "-m", module, *args]
+
+
+# ------------------------------------------------------------------------------------------- replicas on nodes
+def replica_nodes(slots_per_node: Sequence[int], world_size: int, ranks_per_replica: int) -> list[list[int]] | None:
+    """Under ``--map-by slot``: the nodes (indices) that hold each replica's ranks, or None when the world does
+    not fit the slots (the launcher then oversubscribes and the placement is Open MPI's business)."""
+    if world_size > sum(slots_per_node):
+        return None
+    node_of = [i for i, n in enumerate(slots_per_node) for _ in range(n)]
+    n_replicas = world_size // ranks_per_replica
+    return [sorted({node_of[r] for r in range(k * ranks_per_replica, (k + 1) * ranks_per_replica)})
+            for k in range(n_replicas)]
+
+
+def replica_placement(slots_per_node: Sequence[int], world_size: int, ranks_per_replica: int,
+                      names: Sequence[str] | None = None) -> list[str]:
+    """Warnings about where replicas land on these nodes (empty: every replica lives on one node).
+
+    A replica that spans nodes is lost whole when either node is lost, and a node loss then leaves no whole
+    replica's worth of free slots behind; its TP / PP traffic also crosses the network."""
+    if len(slots_per_node) <= 1:
+        return []
+    names = list(names) if names is not None else [f"node {i}" for i in range(len(slots_per_node))]
+    placed = replica_nodes(slots_per_node, world_size, ranks_per_replica)
+    if placed is None:
+        return [f"{world_size} ranks on {sum(slots_per_node)} slots of {len(slots_per_node)} nodes: oversubscribed, "
+                "replicas may span nodes (give every node a multiple of the ranks per replica)"]
+    split = [(k, nodes) for k, nodes in enumerate(placed) if len(nodes) > 1]
+    if not split:
+        return []
+    odd = sorted({names[i] for i, n in enumerate(slots_per_node) if n % ranks_per_replica})
+    shown = ", ".join(f"replica {k} on {'+'.join(names[i] for i in nodes)}" for k, nodes in split[:4])
+    more = f" and {len(split) - 4} more" if len(split) > 4 else ""
+    return [f"{len(split)} replica(s) span two nodes ({shown}{more}): the slots of {', '.join(odd)} are not a "
+            f"multiple of {ranks_per_replica} ranks per replica; a lost node then takes replicas of its neighbours "
+            "too (give every node a multiple of tp x pp slots)"]
+
+
+def hostfile_slots(path: str | os.PathLike) -> tuple[list[str], list[int]] | None:
+    """Node names and slot counts of an Open MPI hostfile (``host slots=N`` lines); None if a line has no
+    ``slots=`` (Open MPI then counts the node's cores, which the launching machine cannot know)."""
+    names: list[str] = []
+    slots: list[int] = []
+    for line in Path(path).read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        found = [f.split("=", 1)[1] for f in fields[1:] if f.startswith("slots=")]
+        if not found or not found[0].isdigit():
+            return None
+        if fields[0] in names:  # a host named twice adds its slots
+            slots[names.index(fields[0])] += int(found[0])
+        else:
+            names.append(fields[0])
+            slots.append(int(found[0]))
+    return names, slots
+
+
+def slurm_tasks_per_node(value: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE`` (e.g. ``4(x2),3``) -> ``[4, 4, 3]``."""
+    out: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "(x" in part:
+            count, times = part.split("(x")
+            out += [int(count)] * int(times.rstrip(")"))
+        else:
+            out.append(int(part))
+    return out

@@ -1,6 +1,6 @@
 """Run-time input checks and command-line overrides, applied before any rank starts (and again on each rank).
 
-Stock nanotron YAMLs may ask for what this project cannot give offline (a hub dataset, bf16 matmuls on CPU,
+Stock nanotron YAMLs may ask for what this project cannot give offline (a hub dataset, float16 without a loss scaler,
 nanotron 0.4's async REDUCE_SCATTER TP, which computes wrong input gradients: upstream bug #46, fixed after 0.4).
 Each gets either a clear error naming the key and the way out, or a documented, logged adjustment.
 """
@@ -15,7 +15,6 @@ import torch
 from nanotron.config import PretrainDatasetsArgs
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-from nanotron_recover import devices
 from nanotron_recover.checkpoint import check_resumable, resolve_checkpoint
 from nanotron_recover.config import ConfigError, RecoverConfig, RecoverDataArgs, TokenizedDatasetArgs
 
@@ -60,18 +59,26 @@ def check_runtime_inputs(config: RecoverConfig) -> list[str]:
             "parallelism.tp_linear_async_communication: turned off (nanotron 0.4 computes wrong input gradients "
             "with async REDUCE_SCATTER, upstream bug #46)"
         )
-    if config.model.dtype != torch.float32:
-        if devices.cuda_available() and config.ft_enabled:
-            raise ConfigError(
-                f"model.dtype: {config.model.dtype} is not supported with fault_tolerance yet (the flat fp32 "
-                "gradient buckets need fp32 master weights): use float32"
-            )
-        if not devices.cuda_available():
-            notes.append(f"model.dtype: {config.model.dtype} trains in float32 on CPU (no fast bf16 path on CPU)")
-            config.model.dtype = torch.float32
+    _check_precision(config)
     for note in notes:
         logger.warning(note)
     return notes
+
+
+def _check_precision(config: RecoverConfig) -> None:
+    """float32, or bfloat16 with nanotron's mixed-precision recipe (fp32 masters and fp32 gradient accumulation;
+    without fp32 accumulation only on the stock path, where nanotron supports it). float16 needs a loss scaler."""
+    dtype = config.model.dtype
+    if dtype == torch.float32:
+        return
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"model.dtype: {dtype} is not supported (it needs loss scaling): use bfloat16 or float32")
+    if config.ft_enabled and not config.optimizer.accumulate_grad_in_fp32:
+        raise ConfigError(
+            "optimizer.accumulate_grad_in_fp32: false is not supported with fault_tolerance and model.dtype: "
+            "bfloat16 (the cross-replica reduction and its snapshots work on fp32 gradient buckets, which are the fp32 "
+            "accumulation): set it to true"
+        )
 
 
 def _check_resume_source(config: RecoverConfig) -> None:

@@ -98,6 +98,46 @@ def read_exits(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+def last_logged_step(run_dir: Path) -> int:
+    """The highest ``step`` of a per-step record in ``<run_dir>/metrics.jsonl`` (0 if none; a torn line is skipped)."""
+    steps = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    return max(steps, default=0)
+
+
+def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints") -> int | None:
+    """The step that ``latest.txt`` names (a relative ``checkpoints_path`` lives in the run dir), or None."""
+    root = Path(checkpoints_path)
+    root = root if root.is_absolute() else Path(run_dir) / root
+    latest = root / "latest.txt"
+    if not latest.is_file():
+        return None
+    text = latest.read_text(encoding="utf-8").strip()
+    return int(text) if text.isdigit() else None
+
+
+def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
+                checkpoints_path: str = "checkpoints") -> tuple[str, str]:
+    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput", detail)``.
+
+    ``done``: the last step (``train_steps``) was logged or checkpointed. ``badinput``: mpirun returned 2 (the
+    trainer rejected its input; relaunching cannot help). Else ``restart``: the trainer stopped below
+    ``min_replicas`` (rc 3), a start-up fault or an unresolvable hang ended the job (rc 3), or the job was torn
+    down from outside with mpirun returning 0: a lost node's daemon ends every rank on this Open MPI, and those
+    ranks leave no exit record (the detail counts the records).
+    """
+    last = last_logged_step(run_dir)
+    ckpt = latest_checkpoint_step(run_dir, checkpoints_path)
+    exits = read_exits(run_dir)
+    codes = sorted({int(e.get("code", -1)) for e in exits.values()})
+    detail = (f"last logged step {last}/{train_steps}, mpirun rc {mpirun_rc}, latest checkpoint {ckpt}, "
+              f"exit records {len(exits)} (codes {codes})")
+    if last >= train_steps or (ckpt is not None and ckpt >= train_steps):
+        return "done", detail
+    if mpirun_rc == 2:  # EXIT_BAD_INPUT
+        return "badinput", detail
+    return "restart", detail
+
+
 def write_config(config: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -3,6 +3,11 @@
 This is the failure-free reference every comparison uses (and the checkpoint-restart baseline): no MPI in the
 step, the loss divided by the replica's own microbatch count and DDP averaging across dp -- exactly nanotron's
 math. Data-parallel rank d computes the d-th contiguous chunk of the step's M global microbatches.
+
+bf16 (``accumulate_grad_in_fp32: true``): nanotron's recipe accumulates each microbatch's bf16 gradient into fp32
+buffers and averages those fp32 buffers over dp (its DDP comm hook, tied to its CUDA-only accumulator). Here the
+fp32 buffers are :class:`GradBuckets` (one flat buffer) and the average is one fp32 all-reduce after the last
+microbatch: the same math without DDP, which would reduce the bf16 gradients instead.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_recover import devices
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.nanotron_compat.fp32_accumulator import has_low_precision_params
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.recovery.buckets import GradBuckets
 from nanotron_recover.strategy import (
     AttachedModel,
     CheckpointWriter,
@@ -50,7 +57,10 @@ class StockDataParallel(DataParallelStrategy):
 
     def attach_model(self, model, named_params, device) -> AttachedModel:
         wrapped = model
-        if self.parallel_context.dp_pg.size() > 1:
+        self.buckets: GradBuckets | None = None
+        if has_low_precision_params(named_params) and self.config.optimizer.accumulate_grad_in_fp32:
+            self.buckets = GradBuckets(named_params, bucket_cap_mb=2**20, device=device, snapshot_slots=0)
+        elif self.parallel_context.dp_pg.size() > 1:
             wrapped = DistributedDataParallel(
                 model,
                 process_group=self.parallel_context.dp_pg,
@@ -64,13 +74,16 @@ class StockDataParallel(DataParallelStrategy):
         indices = plan_step(step, self.config.microbatches_per_step, range(dp))[self.dp_rank]  # dp_rank-th chunk
         # stock nanotron: loss / own microbatch count; DDP averages the gradient over dp in the last backward
         work = services.compute(step, indices, self.per_replica)
+        if self.buckets is not None and dp > 1:
+            torch_dist.all_reduce(self.buckets.flat, group=self.parallel_context.dp_pg)  # fp32 SUM, then the mean
+            self.buckets.flat.div_(dp)
         contribution = work.loss_sum / dp if (self.last_stage and self.tp_rank == 0) else 0.0
         loss = torch.tensor([contribution], dtype=torch.float64, device=devices.compute_device())
         torch_dist.all_reduce(loss, group=self.parallel_context.world_pg)
         return CommittedStep(loss=float(loss.item()), microbatches=dp * self.per_replica, live_replicas=dp)
 
     def zero_grad(self, state: TrainingState) -> None:
-        state.optimizer.zero_grad()
+        state.optimizer.zero_grad()  # with fp32 masters: the accumulator zeroes the buckets in place
 
     def is_logging_rank(self) -> bool:
         return self.world_rank == 0

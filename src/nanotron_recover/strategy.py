@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
-from nanotron.optim.clip_grads import clip_grad_norm
-
+from nanotron_recover.nanotron_compat.clip import clip_grad_norm
 from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
 
 if TYPE_CHECKING:
@@ -152,14 +151,13 @@ class DataParallelStrategy(ABC):
 
     def clip_grad_norm(self, state: TrainingState, max_norm: float) -> float:
         """Clip the committed gradient to ``max_norm`` (nanotron's, over the replica's model-parallel group)."""
-        norm = clip_grad_norm(
-            mp_pg=self.parallel_context.mp_pg,
-            named_parameters=state.named_params,
-            max_norm=max_norm,
-            grad_accumulator=None,
-        )
-        return float(norm)
+        return clip_grad_norm(self.parallel_context.mp_pg, state.named_params, max_norm, fp32_accumulator(state))
 
     def sync_tied_gradients(self, state: TrainingState) -> None:
         """SUM the gradients of parameters tied across the replica's ranks (nanotron's tied-weight groups)."""
-        sync_tied_gradients(state.unwrapped_model, self.parallel_context)
+        sync_tied_gradients(state.unwrapped_model, self.parallel_context, fp32_accumulator(state))
+
+
+def fp32_accumulator(state: TrainingState) -> Any:
+    """The optimizer's fp32 gradient accumulator (mixed precision: its buffers are the gradients), else None."""
+    return getattr(state.optimizer, "gradient_accumulator", None)

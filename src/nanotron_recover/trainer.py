@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.named_optimizer import NamedOptimizer
+from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
 from torch.distributed.tensor import DTensor
 
 from nanotron_recover import devices
@@ -29,6 +30,7 @@ from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.inject import INJECTED_DIR, FailureInjector
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
+from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
 from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
 
 logger = logging.getLogger(__name__)
@@ -92,19 +94,28 @@ class RecoverTrainer:
         self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
 
     # ----------------------------------------------------------------------------------------------- building
-    def _build_optimizer(self) -> NamedOptimizer:
+    def _build_optimizer(self) -> NamedOptimizer | OptimizerFromGradientAccumulator:
+        """AdamW over the parameters (fp32), or nanotron's mixed-precision recipe (bf16): AdamW over fp32 masters
+        whose gradients are the fp32 buckets' ``main_grad`` views, the bf16 parameters refreshed after each step."""
         args = self.config.optimizer
         fused = bool(args.torch_adam_is_fused) and self.device.type == "cuda"
-        return NamedOptimizer(
-            named_params_or_groups=self.named_params,
-            optimizer_builder=lambda groups: torch.optim.AdamW(
+
+        def adamw(groups):
+            return torch.optim.AdamW(
                 groups,
                 lr=args.learning_rate_scheduler.learning_rate,
                 weight_decay=args.weight_decay,
                 eps=args.adam_eps,
                 betas=(args.adam_beta1, args.adam_beta2),
                 fused=fused,
-            ),
+            )
+
+        if not has_low_precision_params(self.named_params):
+            return NamedOptimizer(named_params_or_groups=self.named_params, optimizer_builder=adamw)
+        return OptimizerFromGradientAccumulator(
+            gradient_accumulator_builder=BucketFP32GradientAccumulator,
+            named_params_or_groups=self.named_params,
+            optimizer_builder=lambda groups: NamedOptimizer(named_params_or_groups=groups, optimizer_builder=adamw),
         )
 
     def _at(self, phase: str) -> None:

@@ -274,7 +274,15 @@ def test_bad_args():
     with pytest.raises(ValueError):
         GradBuckets(list(m.named_parameters()), 0, "cpu")
     with pytest.raises(ValueError):
-        GradBuckets(list(m.named_parameters()), 1.0, "cpu", snapshot_slots=0)
+        GradBuckets(list(m.named_parameters()), 1.0, "cpu", snapshot_slots=-1)
+
+
+def test_no_snapshot_slots_means_no_snapshots():
+    """The stock bf16 path keeps fp32 main grads in buckets but never snapshots: no slot, and a snapshot fails."""
+    b = GradBuckets(list(_model().named_parameters()), 1.0, "cpu", snapshot_slots=0)
+    assert b._snaps == []
+    with pytest.raises(RuntimeError, match="no free snapshot slot"):
+        b.snapshot(step=1, epoch=0)
 
 
 def test_rank_without_parameters_has_one_empty_bucket():

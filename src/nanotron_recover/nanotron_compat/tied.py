@@ -79,9 +79,13 @@ def _create_tied_groups(model: nn.Module, pc: ParallelContext) -> None:
             pc.world_ranks_to_pg[ranks] = dist.new_group(ranks=list(ranks), timeout=timeout)
 
 
-def sync_tied_gradients(model: nn.Module, parallel_context: ParallelContext) -> None:
-    """SUM the gradients (``param.grad``) of tied parameters over their groups; run after the last backward.
-    A tied gradient that is still None (no microbatch ran on this replica) takes part as zeros."""
+def sync_tied_gradients(model: nn.Module, parallel_context: ParallelContext, grad_accumulator=None) -> None:
+    """SUM the gradients of tied parameters over their groups (``param.grad``, or the fp32 buffers of
+    ``grad_accumulator`` in mixed precision); run after the last backward. A tied ``param.grad`` that is still None
+    (no microbatch ran on this replica) takes part as zeros."""
+    if grad_accumulator is not None:
+        sync_tied_weights_gradients(module=model, parallel_context=parallel_context, grad_accumulator=grad_accumulator)
+        return
     for param in model.parameters():
         if param.requires_grad and param.grad is None and isinstance(param, NanotronParameter) and param.is_tied:
             param.grad = torch.zeros_like(param)

@@ -57,7 +57,8 @@ class GradBuckets:
             skipped, repeated (tied) params are kept once.
         bucket_cap_mb: maximum bucket size in MiB (> 0); one oversized param may exceed it alone.
         device: where the buffer lives; every param must be on it.
-        snapshot_slots: how many steps may hold snapshots at the same time (1 = one step in flight).
+        snapshot_slots: how many steps may hold snapshots at the same time (1 = one step in flight; 0 = none, for
+            a path without recovery).
         snapshot_device: where snapshots live (default ``device``; ``cpu`` trades copy speed for GPU memory).
     """
 
@@ -72,8 +73,8 @@ class GradBuckets:
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        if snapshot_slots < 1:
-            raise ValueError(f"snapshot_slots must be >= 1, got {snapshot_slots}")
+        if snapshot_slots < 0:
+            raise ValueError(f"snapshot_slots must be >= 0, got {snapshot_slots}")
         self.device = torch.device(device)
         self.cap_numel = max(1, int(bucket_cap_mb * 2**20) // _FP32_BYTES)
         self._lay_out(_trainable_params(named_params, self.device))

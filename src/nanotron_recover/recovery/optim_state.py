@@ -15,7 +15,7 @@ def ensure_adam_state(optimizer) -> None:
     """Create missing AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``) the way AdamW's first step would:
     moments shaped like the parameter (a ``DTensor`` for a sharded one), ``step`` a float32 scalar on the CPU, or
     on the parameter's device for the fused / capturable implementations."""
-    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    inner = torch_optimizer(optimizer)
     for group in inner.param_groups:
         on_device = bool(group.get("fused")) or bool(group.get("capturable"))
         for p in group["params"]:
@@ -25,3 +25,10 @@ def ensure_adam_state(optimizer) -> None:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside nanotron's wrappers (``NamedOptimizer``, ``OptimizerFromGradientAccumulator``)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer

@@ -32,7 +32,7 @@ from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEven
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
-from nanotron_recover.recovery.optim_state import ensure_adam_state
+from nanotron_recover.recovery.optim_state import ensure_adam_state, torch_optimizer
 from nanotron_recover.strategy import (
     AttachedModel,
     CheckpointWriter,
@@ -41,6 +41,7 @@ from nanotron_recover.strategy import (
     LocalWork,
     StepServices,
     TrainingState,
+    fp32_accumulator,
 )
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -289,6 +290,9 @@ class ResilientDataParallel(DataParallelStrategy):
     # ------------------------------------------------------------------------------------------------- commit
     def zero_grad(self, state: TrainingState) -> None:
         self.buckets.zero_()
+        accumulator = fp32_accumulator(state)
+        if accumulator is not None:
+            accumulator.bind_master_grads()
 
     def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
         """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
@@ -374,11 +378,18 @@ def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
 
 
 def _state_tensors(state: TrainingState) -> Iterator[torch.Tensor]:
-    """Parameters, then each one's optimizer state, in the same order on every replica."""
-    inner = state.optimizer.optimizer
-    for _, param in state.named_params:
+    """Parameters, their fp32 masters (mixed precision), then each one's optimizer state, in the same order on
+    every replica."""
+    accumulator = fp32_accumulator(state)
+    stepped = [param for _, param in state.named_params]  # what the optimizer steps: the params, or their masters
+    for param in stepped:
         yield param.data
-    for _, param in state.named_params:
-        state = inner.state[param]
-        for key in sorted(state):
-            yield state[key]
+    if accumulator is not None:
+        stepped = [accumulator.get_parameter_for_optimizer(name) for name, _ in state.named_params]
+        for master in stepped:
+            yield master.data
+    inner = torch_optimizer(state.optimizer)
+    for param in stepped:
+        param_state = inner.state[param]
+        for key in sorted(param_state):
+            yield param_state[key]

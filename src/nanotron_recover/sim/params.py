@@ -1,0 +1,154 @@
+"""Every number the simulator uses, named, with where it comes from.
+
+A prediction is only as good as its inputs, so each input is a named parameter carrying its source:
+``measured`` (read from one of our runs by :mod:`nanotron_recover.sim.calibrate`), ``anchor`` (a published
+figure), or ``assumption`` (a guess the user should replace). Results are always printed together with this
+table (:func:`describe`), never alone.
+
+The scaling models (how a cost measured on 8 processes grows to 100k GPUs) are explicit formulas here:
+
+* step time: ``base_s + (quota + bubble) * mb_s * share``: a replica's step runs its quota of microbatches plus
+  the pipeline bubble (``pp - 1`` microbatch slots in 1F1B); the step waits for the slowest replica (largest
+  quota). ``share = max(1, processes / devices)`` models processes sharing devices (our 2-core CPU runs 8
+  processes: losing processes does not lose compute there); on GPUs ``devices`` is None and ``share`` is 1.
+* in-place repair (ULFM revoke + shrink + agree + rebuild): ``repair_s * log2(ranks) / log2(repair_ranks)``.
+* restart of a job: ``restart_fixed_s + restart_per_node_s * nodes + ckpt_load_s``.
+* checkpoint save / load: ``ckpt_fixed_s + state_gb_per_rank / storage_gb_per_s`` (ranks write in parallel).
+* state transfer to a spare: ``state_gb_per_rank / transfer_gb_per_s`` (ranks send in parallel).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+__all__ = ["Params", "describe", "MTTF_ANCHORS", "mttf_hours_at", "LLAMA3_MTBF_HOURS"]
+
+# Job mean time to failure vs job size, arXiv 2410.21680 (Kokolis et al., "Revisiting Reliability in Large-Scale
+# ML Research Clusters"): (GPUs, hours).
+MTTF_ANCHORS: tuple[tuple[int, float], ...] = ((1024, 7.9), (16384, 1.8), (131072, 14.0 / 60.0))
+# Llama 3 (arXiv 2407.21783): 419 unexpected interruptions in 54 days on 16,384 GPUs.
+LLAMA3_MTBF_HOURS = 54 * 24 / 419
+
+
+def mttf_hours_at(gpus: int, anchors: tuple[tuple[int, float], ...] = MTTF_ANCHORS) -> float:
+    """Job MTTF at ``gpus``: log-log interpolation between the anchors (power law), extrapolated with the nearest
+    segment's slope outside them. Why not 1/N: the anchors themselves are not 1/N (8,090 GPU-hours per failure at
+    1k GPUs, 29,500 at 16k), so a single per-GPU rate would miss one end or the other."""
+    pts = sorted(anchors)
+    if gpus <= 0:
+        raise ValueError("gpus must be positive")
+    if len(pts) == 1:
+        n, h = pts[0]
+        return h * n / gpus
+    i = 0
+    while i < len(pts) - 2 and gpus > pts[i + 1][0]:
+        i += 1
+    (n0, h0), (n1, h1) = pts[i], pts[i + 1]
+    slope = math.log(h1 / h0) / math.log(n1 / n0)
+    return h0 * (gpus / n0) ** slope
+
+
+@dataclass(frozen=True)
+class Params:
+    """Costs and failure rates of one run. Times in seconds unless the name says otherwise."""
+
+    # -- workload
+    accumulation: int = 4  # microbatches per replica per step failure-free: M = replicas x accumulation
+    tokens_per_microbatch: int = 4 * 4096  # micro-batch size x sequence length
+    mb_s: float = 2.0  # one microbatch's forward + backward on one replica (pipeline slot)
+    base_s: float = 0.5  # per-step fixed part (gradient reduction, optimizer)
+    devices: int | None = None  # devices shared by all processes (a CPU's cores); None: one device per process
+    recover_step_factor: float = 1.0  # ReCoVer path step time / stock path step time, failure-free
+    # -- failures
+    job_mttf_hours: float | None = None  # None: from MTTF_ANCHORS at the job's GPU count
+    node_fraction: float = 0.2  # share of failures that take a whole node (host, NIC, switch, maintenance)
+    hang_fraction: float = 0.5  # share of GPU faults that freeze a process instead of killing it
+    # -- in-place recovery (ReCoVer, shrinking batch)
+    detect_s: float = 0.15  # a killed process -> repair starts (ULFM failure notice)
+    hang_timeout_s: float = 30.0  # a frozen process -> killed by the hang monitor (code default max(30 s, 5 steps))
+    repair_s: float = 0.03  # revoke + shrink + agree + rebuild at repair_ranks ranks
+    repair_ranks: int = 8
+    state_gb_per_rank: float = 10.0  # parameters + fp32 masters + Adam moments held by one rank
+    transfer_gb_per_s: float = 25.0  # per-rank state transfer bandwidth (spare activation, rejoin)
+    rejoin_s: float = 1800.0  # shrinking batch (torchft-style): failure -> a replacement replica rejoins
+    # -- checkpoint-restart
+    ckpt_fixed_s: float = 5.0
+    storage_gb_per_s: float = 2.0  # per-rank checkpoint write / read bandwidth
+    teardown_s: float = 30.0  # failure -> the job is gone (collective timeout, scheduler notices)
+    restart_fixed_s: float = 120.0  # relaunch -> training again, without the per-node part and the load
+    restart_per_node_s: float = 0.038  # anchor: FT-HSDP ~10 min stall per failure at ~100K GPUs (12.5k nodes)
+    startup_s: float | None = None  # the first launch (None: a restart); our runs: imports, rendezvous, build
+    exit_s: float = 0.0  # last step -> job gone (held allocation)
+    exit_recover_s: float | None = None  # the same for the ReCoVer path (None: exit_s)
+    startup_recover_s: float | None = None  # the first launch of the ReCoVer path (None: startup_s)
+    failure_during_stall: str = "queue"  # queue: each failure costs its full stall, served one after the other
+    #                                    # (a failure during a restart is found when that restart completes);
+    #                                    # reset: the stall restarts from the new failure
+    replacement: bool = True  # a relaunch gets a full-size allocation (the scheduler swaps failed nodes)
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def with_(self, source: str | None = None, **changes: Any) -> "Params":
+        """A copy with ``changes``; each changed name is recorded with ``source`` (if given)."""
+        src = dict(self.sources)
+        if source is not None:
+            src.update({k: source for k in changes})
+        return replace(self, sources=src, **changes)
+
+    # -- scaling models (module docstring)
+    def step_s(self, quota: int, processes: int, pp: int = 1, recover: bool = False) -> float:
+        share = max(1.0, processes / self.devices) if self.devices else 1.0
+        t = self.base_s + (quota + (pp - 1)) * self.mb_s * share
+        return t * (self.recover_step_factor if recover else 1.0)
+
+    def repair_at(self, ranks: int) -> float:
+        return self.repair_s * math.log2(max(2, ranks)) / math.log2(max(2, self.repair_ranks))
+
+    def ckpt_save_s(self) -> float:
+        return self.ckpt_fixed_s + self.state_gb_per_rank / self.storage_gb_per_s
+
+    def ckpt_load_s(self) -> float:
+        return self.ckpt_save_s()
+
+    def restart_s(self, nodes: int) -> float:
+        return self.restart_fixed_s + self.restart_per_node_s * nodes + self.ckpt_load_s()
+
+    def transfer_s(self) -> float:
+        return self.state_gb_per_rank / self.transfer_gb_per_s
+
+    def mttf_hours(self, gpus: int) -> float:
+        return self.job_mttf_hours if self.job_mttf_hours is not None else mttf_hours_at(gpus)
+
+
+_DEFAULT_SOURCES = {
+    "job_mttf_hours": "anchor: arXiv 2410.21680 (7.9 h @1k, 1.8 h @16k, 14 min @131k GPUs), log-log interpolated",
+    "node_fraction": "assumption: host/network/maintenance causes are a minority of Llama 3's interruptions",
+    "hang_fraction": "assumption (not measured): frozen instead of killed",
+    "hang_timeout_s": "code default: hang_timeout_s = max(30 s, 5 x longest step)",
+    "restart_per_node_s": "anchor: FT-HSDP (arXiv 2602.00277) ~10 min stall per failure at ~100K GPUs",
+    "failure_during_stall": "model choice: FT-HSDP's 44%/80% read as 1 - stall/MTBF",
+    "replacement": "model choice: the scheduler hands back a full allocation on relaunch",
+}
+
+
+def describe(p: Params, gpus: int | None = None, pp: int = 1) -> list[tuple[str, str, str]]:
+    """(name, value, source) for every parameter, derived costs included: what a result was computed from."""
+    rows: list[tuple[str, str, str]] = []
+    for f in fields(p):
+        if f.name == "sources":
+            continue
+        v = getattr(p, f.name)
+        if f.name == "job_mttf_hours" and v is None and gpus:
+            v = f"{p.mttf_hours(gpus):.3g} (at {gpus} GPUs)"
+        src = p.sources.get(f.name) or _DEFAULT_SOURCES.get(f.name) or "assumption (default)"
+        rows.append((f.name, f"{v:.4g}" if isinstance(v, float) else str(v), src))
+    rows += [
+        ("= ckpt_save_s", f"{p.ckpt_save_s():.4g}", "ckpt_fixed_s + state_gb_per_rank / storage_gb_per_s"),
+        ("= transfer_s", f"{p.transfer_s():.4g}", "state_gb_per_rank / transfer_gb_per_s"),
+    ]
+    if gpus:
+        nodes = math.ceil(gpus / 8)
+        rows.append(("= restart_s", f"{p.restart_s(nodes):.4g}", f"at {nodes} nodes of 8: fixed + per node + load"))
+        rows.append(("= repair_s at job", f"{p.repair_at(gpus):.4g}", "repair_s x log2(ranks) / log2(repair_ranks)"))
+    return rows

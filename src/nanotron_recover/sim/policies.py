@@ -1,0 +1,76 @@
+"""What each fault-tolerance policy does when a GPU or a node fails.
+
+The ReCoVer policies follow the code as it is (nanotron_recover 0.1, 2026-12): a failed process takes its whole
+replica out; the survivors recompute its microbatches in the same step and keep M; spares replace failed
+replicas first; nothing ever joins a running job again (growing by spawning is unsafe on this Open MPI, and
+there is no recycling of a failed replica's surviving ranks into new replicas, whatever DESIGN.md plans);
+below ``min_replicas`` the job checkpoints and exits 3, and the requeued job starts at full size. A node's
+daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (FACTS.md), so a node loss is a crash that resumes from
+the last periodic checkpoint, as in checkpoint-restart. ``hypothetical`` policies are not in the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Policy", "ckpt_restart", "shrinking", "recover", "recover_spares", "recover_node_tolerant",
+           "standard_policies"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    in_place: bool  # False: any failure ends the job (checkpoint-restart)
+    keep_m: bool = True  # True: every step commits M microbatches; False: the lost replicas' are dropped
+    spare_replicas: int = 0
+    min_replicas: int = 1  # below this: planned checkpoint + requeue at full size
+    node_loss_ends_job: bool = True
+    rejoin: bool = False  # a replaced replica joins the running job again (torchft), after Params.rejoin_s
+    checkpoint_interval: int | None = None  # steps between periodic checkpoints (None: never)
+    recover_path: bool = False  # pays Params.recover_step_factor (the ULFM path's failure-free overhead)
+    hypothetical: bool = False  # not what the code does
+    note: str = ""
+
+    def with_(self, **changes: object) -> "Policy":
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def ckpt_restart(interval: int | None) -> Policy:
+    return Policy("ckpt_restart", in_place=False, checkpoint_interval=interval,
+                  note="stock: a failure ends the job; relaunch from the last checkpoint")
+
+
+def shrinking(interval: int | None = None, min_replicas: int = 1) -> Policy:
+    return Policy("shrinking", in_place=True, keep_m=False, min_replicas=min_replicas, node_loss_ends_job=False,
+                  rejoin=True, checkpoint_interval=interval,
+                  note="torchft-style: drop the failed replica's microbatches; replacements rejoin")
+
+
+def recover(interval: int | None, min_replicas: int = 1) -> Policy:
+    return Policy("recover", in_place=True, min_replicas=min_replicas, checkpoint_interval=interval,
+                  recover_path=True, note="ReCoVer as coded: in-step, M kept, requeue below min_replicas, "
+                  "node loss ends the job")
+
+
+def recover_spares(interval: int | None, spares: int, min_replicas: int = 1) -> Policy:
+    return recover(interval, min_replicas).with_(name="recover_spares", spare_replicas=spares,
+                                                 note=f"ReCoVer + {spares} spare replicas")
+
+
+def recover_node_tolerant(interval: int | None, spares: int = 0, min_replicas: int = 1) -> Policy:
+    return recover(interval, min_replicas).with_(
+        name="recover_node_tolerant", spare_replicas=spares, node_loss_ends_job=False, hypothetical=True,
+        note="HYPOTHETICAL: a runtime that survives a node daemon's loss (not Open MPI 5.0)")
+
+
+def standard_policies(ckpt_interval: int, recover_interval: int, spares: int, min_replicas: int,
+                      spare_min_replicas: int | None = None) -> list[Policy]:
+    """The policies every report compares, in order."""
+    smin = min_replicas if spare_min_replicas is None else spare_min_replicas
+    return [
+        ckpt_restart(ckpt_interval),
+        shrinking(recover_interval, 1),
+        recover(recover_interval, min_replicas),
+        recover_spares(recover_interval, spares, smin),
+        recover_node_tolerant(recover_interval, spares, smin),
+    ]

@@ -46,7 +46,9 @@ recover_setup() {
 # recover_mpirun_cmd ulfm|stock -> fills the array MPI_CMD
 recover_mpirun_cmd() {
     local mode=$1 slots=${SLURM_NTASKS:-1}
-    MPI_CMD=("$MPIRUN" -n "$RECOVER_WORLD_SIZE" --bind-to none --mca pml ob1)
+    # --map-by slot: each node's slots filled in rank order, so a node holds whole replicas when its task count
+    # is a multiple of the ranks per replica (recover_job.py info warns when it is not)
+    MPI_CMD=("$MPIRUN" -n "$RECOVER_WORLD_SIZE" --map-by slot --bind-to none --mca pml ob1)
     if [[ $mode == ulfm ]]; then
         # ULFM: a dead rank is reported to the others instead of killing the job (mpirun is NOT srun: ULFM
         # cannot be launched by srun; under Slurm mpirun starts its daemons inside the allocation itself)

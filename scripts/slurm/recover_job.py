@@ -1,7 +1,7 @@
 """Small helpers for the sbatch scripts in this folder (run with the project's venv Python).
 
 ``info``     prints the run's shape as shell assignments, from the config with the same overrides the trainer
-             applies::
+             applies (and warns on stderr when, with SLURM_TASKS_PER_NODE, a replica would span two nodes)::
 
                  eval "$(python scripts/slurm/recover_job.py info --config-file X --synthetic-data)"
                  # -> RECOVER_WORLD_SIZE=4 RECOVER_FT_ENABLED=1 RECOVER_TRAIN_STEPS=10 ...
@@ -11,7 +11,8 @@
 
                  done      0   metrics.jsonl has the last step (train_steps)
                  restart   3   not finished: the trainer stopped below min_replicas (mpirun rc 3) or the whole
-                               job died (every replica lost, a crash); a relaunch resumes from the checkpoint
+                               job died (every replica lost, a lost node's daemon: mpirun rc 0, a crash); a
+                               relaunch resumes from the checkpoint
                  badinput  2   the trainer rejected its input (rc 2): relaunching cannot help
 
 The run is judged by what it wrote, not by ``mpirun``'s exit code alone: under ``--with-ft ulfm`` mpirun may
@@ -21,6 +22,7 @@ return 0 although ranks were SIGKILLed.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -28,24 +30,8 @@ from typing import Sequence
 
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
 from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
-from nanotron_recover.metrics import read_metrics_jsonl
-
-
-def last_logged_step(run_dir: Path) -> int:
-    """The highest ``step`` of a per-step record in ``<run_dir>/metrics.jsonl`` (0 if none; a torn line is skipped)."""
-    steps = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
-    return max(steps, default=0)
-
-
-def latest_checkpoint_step(run_dir: Path, checkpoints_path: str) -> int | None:
-    """The step that ``latest.txt`` names, or None."""
-    root = Path(checkpoints_path)
-    root = root if root.is_absolute() else run_dir / root
-    latest = root / "latest.txt"
-    if not latest.is_file():
-        return None
-    text = latest.read_text(encoding="utf-8").strip()
-    return int(text) if text.isdigit() else None
+from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
+from nanotron_recover.runs import run_outcome
 
 
 def _info(argv: Sequence[str]) -> int:
@@ -73,6 +59,10 @@ def _info(argv: Sequence[str]) -> int:
     }
     for key, value in values.items():
         print(f"{key}={shlex.quote(str(value))}")
+    tasks = os.environ.get("SLURM_TASKS_PER_NODE")
+    if tasks and config.ft_enabled:
+        for warning in replica_placement(slurm_tasks_per_node(tasks), config.world_size, config.ranks_per_replica):
+            print(f"[recover-sbatch] warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -83,17 +73,9 @@ def _outcome(argv: Sequence[str]) -> int:
     parser.add_argument("--mpirun-rc", required=True, type=int)
     parser.add_argument("--checkpoints-path", default="checkpoints")
     args = parser.parse_args(argv)
-    last = last_logged_step(args.run_dir)
-    ckpt = latest_checkpoint_step(args.run_dir, args.checkpoints_path)
-    detail = f"last logged step {last}/{args.train_steps}, mpirun rc {args.mpirun_rc}, latest checkpoint {ckpt}"
-    if last >= args.train_steps:
-        print("done", detail)
-        return EXIT_DONE
-    if args.mpirun_rc == EXIT_BAD_INPUT:
-        print("badinput", detail)
-        return EXIT_BAD_INPUT
-    print("restart", detail)
-    return EXIT_RESTART
+    verdict, detail = run_outcome(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path)
+    print(verdict, detail)
+    return {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT}.get(verdict, EXIT_RESTART)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,208 @@
+"""Faults across (fake) nodes: one real ``prted`` per node (``nanotron_recover.fake_nodes``), real SIGKILLs.
+
+1. 2 nodes x 4 ranks, 2 replicas x TP2 x PP2: ranks fill the nodes with whole replicas (checked from the live
+   processes); one rank on node 2 is SIGKILLed in backward -> in-step recovery exactly as on one node.
+2. 3 nodes, 3 replicas x TP2: node 3 is lost whole (its prted and its ranks). On this Open MPI that ends the whole
+   job with mpirun returning 0; the launcher judges the run and exits 3 (restart). The relaunch on the 2 nodes
+   left (``--replicas 2``: M kept by raising the accumulation) resumes from latest.txt; it then loses node 2 too,
+   and a relaunch at full size (the nodes "replaced") resumes again and finishes. Every step's loss equals the
+   failure-free run's; each loss costs at most a checkpoint interval of steps.
+
+Each launch has a hard timeout; the whole process group is SIGKILLed when it runs over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanotron_recover.exit_codes import EXIT_RESTART
+from nanotron_recover.fake_nodes import kill_node, node_ranks, write_bed
+from nanotron_recover.runs import latest_checkpoint_step, read_exits, read_metrics, run_outcome, run_training, write_config
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+TIMEOUT_S = 240
+
+
+class PlacementWatch:
+    """Poll the live processes in a thread until every rank was seen on some node: ``seen`` = {node: world ranks}."""
+
+    def __init__(self, bed: Path, nodes: list[str], world_size: int) -> None:
+        self.seen: dict[str, list[int]] = {}
+        self._stop = threading.Event()
+        self._args = (bed, nodes, world_size)
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        bed, nodes, world_size = self._args
+        while not self._stop.is_set():
+            now = {n: node_ranks(bed, n) for n in nodes}
+            if sum(len(r) for r in now.values()) == world_size:
+                self.seen = now
+                return
+            time.sleep(0.2)
+
+    def stop(self) -> dict[str, list[int]]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return self.seen
+
+
+# ------------------------------------------------------------------------------ 1. a rank lost on another node
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_a_rank_lost_on_node_2_is_recovered_in_step(tiny_config, tmp_path, monkeypatch):
+    steps, fail_step = 6, 3
+
+    def config(inject: list[dict]) -> dict:
+        return tiny_config(dp=2, tp=2, pp=2, accumulation=2, steps=steps, layers=2, fault_tolerance={
+            "enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120, "inject": inject})
+
+    reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    bed = tmp_path / "bed"
+    for key, value in write_bed(bed, [4, 4]).items():
+        monkeypatch.setenv(key, value)
+    watch = PlacementWatch(bed, ["n1", "n2"], 8)
+    # replica 1 = world ranks 4..7 on node 2; its local rank 3 (pp 1, tp 1) dies
+    inject = [{"step": fail_step, "replica": 1, "rank": 3, "phase": "backward"}]
+    try:
+        result = run_training(config(inject), tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    finally:
+        placement = watch.stop()
+    tail = result.output[-4000:]
+    assert placement == {"n1": [0, 1, 2, 3], "n2": [4, 5, 6, 7]}, placement  # whole replicas per node
+    assert [s["step"] for s in result.steps] == list(range(1, steps + 1)), tail
+    assert all(s["microbatches"] == 4 for s in result.steps), tail
+    assert {r for e in result.events_of("repair") for r in e["failed_replicas"]} == {1}, tail
+    diff = np.abs(np.array(result.losses) - np.array(reference.losses)).max()
+    assert diff <= TOL, f"losses differ from the failure-free run by {diff:.2e}\n{tail}"
+    assert 7 not in read_exits(result.run_dir)
+    repair = result.events_of("repair")[0]
+    print(f"\n2 nodes x 4: rank 7 (node 2) SIGKILLed at step {fail_step}: repaired in step, "
+          f"max |dloss| {diff:.1e}, detect + repair {repair['detect_to_repaired_ms']:.0f} ms; "
+          f"run {result.wall_s:.1f} s, failure-free {reference.wall_s:.1f} s")
+
+
+# ------------------------------------------------------------------------------------------- 2. a lost node
+NODE_STEPS = 10
+INTERVAL = 3
+
+
+def _node_config(tiny_config) -> dict:
+    return tiny_config(dp=3, tp=2, accumulation=2, steps=NODE_STEPS, layers=2, checkpoint_interval=INTERVAL,
+                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120})
+
+
+def _launch_and_lose(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
+                     after_step: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
+    """Launch on the bed; once ``after_step`` is logged, lose ``node`` whole. -> (proc, output, kill time, placement)."""
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **bed_env}, start_new_session=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline, killed_at, placement = time.monotonic() + TIMEOUT_S, None, {}
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            steps, _ = read_metrics(run_dir)
+            if killed_at is None and steps and steps[-1]["step"] >= after_step:
+                placement = {n.stem: node_ranks(bed, n.stem) for n in sorted(bed.glob("n*.pid"))}
+                kill_node(bed, node)
+                killed_at = time.time()
+            time.sleep(0.02)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            reader.join(timeout=10)
+            raise AssertionError(f"the job did not end within {TIMEOUT_S} s:\n{''.join(output)[-4000:]}")
+    reader.join(timeout=30)
+    text = "".join(output)
+    assert killed_at is not None, f"the job ended before step {after_step}:\n{text[-4000:]}"
+    return proc, text, killed_at, placement
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S + 60)
+def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(tiny_config, tmp_path, monkeypatch):
+    reference = run_training(_node_config(tiny_config), tmp_path / "ref", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    want = {s["step"]: s["loss"] for s in reference.steps}
+    run_dir = tmp_path / "run"
+    config_path = write_config(_node_config(tiny_config), run_dir / "config.yaml")
+    report = []
+
+    # --- 3 nodes; node 3 (replica 2) is lost after step 4
+    bed3 = tmp_path / "bed3"
+    proc, out, lost_at, placement = _launch_and_lose(config_path, run_dir, write_bed(bed3, [2, 2, 2]), bed3, "n3",
+                                                     4, [])
+    assert placement == {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}, placement
+    assert proc.returncode == EXIT_RESTART, (proc.returncode, out[-4000:])  # mpirun itself returned 0
+    assert "ended before its last step" in out, out[-4000:]
+    verdict, detail = run_outcome(run_dir, NODE_STEPS, 0)
+    assert verdict == "restart", detail
+    assert read_exits(run_dir) == {}, "every rank was torn down with the lost daemon, none exited by itself"
+    first_steps, _ = read_metrics(run_dir)
+    ckpt1 = latest_checkpoint_step(run_dir)
+    lost1 = first_steps[-1]["step"] - ckpt1
+    assert ckpt1 is not None and 0 <= lost1 <= INTERVAL, (ckpt1, first_steps[-1])
+
+    # --- relaunch on the 2 nodes left: 2 replicas, accumulation 3 (M = 6 kept); it loses node 2 after step 7
+    bed2 = tmp_path / "bed2"
+    relaunched = time.time()
+    proc, out, lost2_at, placement = _launch_and_lose(config_path, run_dir, write_bed(bed2, [2, 2]), bed2, "n2",
+                                                      7, ["--replicas", "2"])
+    assert placement == {"n1": [0, 1], "n2": [2, 3]}, placement
+    assert proc.returncode == EXIT_RESTART, (proc.returncode, out[-4000:])
+    assert f"at step {ckpt1}" in out, out[-4000:]  # "resumed from .../checkpoints/<ckpt1> at step <ckpt1>"
+    second = [s for s in read_metrics(run_dir)[0] if s["time"] >= relaunched]
+    assert second[0]["step"] == ckpt1 + 1, second[:2]
+    assert all(s["live_replicas"] == 2 and s["microbatches"] == 6 for s in second), second
+    again1 = second[0]["time"] - lost_at
+    ckpt2 = latest_checkpoint_step(run_dir)
+    lost2 = second[-1]["step"] - ckpt2
+    assert ckpt2 is not None and 0 <= lost2 <= INTERVAL, (ckpt2, second[-1])
+    report.append(f"node 3 lost after step {first_steps[-1]['step']}: resumed from {ckpt1} on 2 nodes, "
+                  f"{lost1} step(s) lost, training again {again1:.1f} s after the loss")
+
+    # --- relaunch at full size (the nodes replaced): 3 replicas again, to the end
+    bed3b = tmp_path / "bed3b"
+    for key, value in write_bed(bed3b, [2, 2, 2]).items():
+        monkeypatch.setenv(key, value)
+    relaunched = time.time()
+    final = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    third = [s for s in final.steps if s["time"] >= relaunched]
+    assert third and third[0]["step"] == ckpt2 + 1 and third[-1]["step"] == NODE_STEPS, final.output[-4000:]
+    assert all(s["live_replicas"] == 3 and s["microbatches"] == 6 for s in third), third
+    again2 = third[0]["time"] - lost2_at
+    report.append(f"node 2 lost after step {second[-1]['step']}: resumed from {ckpt2} at full size, "
+                  f"{lost2} step(s) lost, training again {again2:.1f} s after the loss")
+    assert run_outcome(run_dir, NODE_STEPS, final.returncode)[0] == "done"
+
+    # every step's loss, in every launch (replayed steps included), equals the failure-free run's
+    records = _all_step_records(run_dir)
+    diffs = [abs(r["loss"] - want[r["step"]]) for r in records]
+    assert max(diffs) <= TOL, [(r["step"], r["loss"], want[r["step"]]) for r in records]
+    assert sorted({r["step"] for r in records}) == list(range(1, NODE_STEPS + 1))
+    print("\n" + "\n".join(report) + f"\nmax |dloss| vs failure-free over {len(records)} step records "
+          f"{max(diffs):.1e}; failure-free run {reference.wall_s:.1f} s")
+
+
+def _all_step_records(run_dir: Path) -> list[dict]:
+    from nanotron_recover.metrics import read_metrics_jsonl
+
+    return [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]

@@ -1,0 +1,136 @@
+"""Launching on many nodes, without MPI: where replicas land, the launcher's flags and verdict, ``--replicas``,
+and the fake-node bed's own processes (a real process tree, a real SIGKILL)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover import launch
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.fake_nodes import kill_node, main as fake_nodes_main, node_pids, write_bed
+from nanotron_recover.mpirun import hostfile_slots, replica_nodes, replica_placement, slurm_tasks_per_node
+from nanotron_recover.runs import write_config
+
+
+# ------------------------------------------------------------------------------------------------ placement
+def test_whole_replicas_per_node_when_the_ranks_per_replica_divide_the_slots():
+    assert replica_nodes([4, 4], 8, 4) == [[0], [1]]
+    assert replica_nodes([4, 4, 4], 12, 2) == [[0], [0], [1], [1], [2], [2]]
+    assert replica_placement([4, 4], 8, 4) == []
+    assert replica_placement([8], 6, 3) == []  # one node: nothing can span
+
+
+def test_a_replica_that_spans_two_nodes_is_named():
+    assert replica_nodes([3, 3], 6, 2) == [[0], [0, 1], [1]]
+    (warning,) = replica_placement([3, 3], 6, 2, names=["a", "b"])
+    assert "replica 1 on a+b" in warning and "a, b" in warning and "multiple of 2" in warning
+
+
+def test_more_ranks_than_slots_is_a_warning():
+    assert replica_nodes([2, 2], 8, 2) is None
+    (warning,) = replica_placement([2, 2], 8, 2)
+    assert "oversubscribed" in warning
+
+
+def test_hostfile_and_slurm_slot_counts(tmp_path: Path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# nodes\nn1 slots=4\nn2 slots=4 max_slots=8\n\nn1 slots=2  # again\n")
+    assert hostfile_slots(hostfile) == (["n1", "n2"], [6, 4])
+    hostfile.write_text("n1 slots=4\nn2\n")
+    assert hostfile_slots(hostfile) is None  # Open MPI would count n2's cores: unknown here
+    assert slurm_tasks_per_node("4(x2),3") == [4, 4, 3]
+    assert slurm_tasks_per_node("8") == [8]
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+def _config(tmp_path: Path, tiny_config, **kwargs) -> Path:
+    return write_config(tiny_config(**kwargs, fault_tolerance={"enabled": True}), tmp_path / "config.yaml")
+
+
+def test_dry_run_maps_by_slot_with_ulfm_safe_collectives_and_warns_on_split_replicas(
+        tmp_path, tiny_config, monkeypatch, capsys):
+    config = _config(tmp_path, tiny_config, dp=3, tp=2)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n1 slots=3\nn2 slots=3\n")
+    monkeypatch.setenv(launch.HOSTFILE_ENV, str(hostfile))
+    assert launch.main(["train", "--config-file", str(config), "--run-dir", str(tmp_path / "r"), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    words = " ".join(shlex.split(out))
+    assert "--map-by slot" in words and "--mca coll ^han,cuda" in words and f"--hostfile {hostfile}" in words
+    assert "replica 1 on n1+n2" in err
+    hostfile.write_text("n1 slots=2\nn2 slots=2\nn3 slots=2\n")
+    assert launch.main(["train", "--config-file", str(config), "--run-dir", str(tmp_path / "r"), "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def _args(config: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    launch.add_override_args(parser)
+    return parser.parse_args(["--config-file", str(config), *extra])
+
+
+def test_replicas_override_keeps_the_global_batch(tmp_path, tiny_config):
+    config = _config(tmp_path, tiny_config, dp=3, accumulation=2)
+    effective = launch.load_effective_config(_args(config, "--replicas", "2"))
+    assert (effective.parallelism.dp, effective.tokens.batch_accumulation_per_replica) == (2, 3)
+    assert effective.microbatches_per_step == 6 and effective.world_size == 2
+    assert "--replicas" in launch.forwarded_args(_args(config, "--replicas", "2"), tmp_path)  # the ranks get it too
+
+
+def test_replicas_override_that_cannot_keep_the_global_batch_is_bad_input(tmp_path, tiny_config, capsys):
+    config = _config(tmp_path, tiny_config, dp=3, accumulation=2)
+    assert launch.main(["train", "--config-file", str(config), "--replicas", "4", "--dry-run"]) == EXIT_BAD_INPUT
+    assert "M = 6" in capsys.readouterr().err
+
+
+def test_replicas_override_caps_min_replicas(tmp_path, tiny_config):
+    config = write_config(tiny_config(dp=4, accumulation=1, fault_tolerance={"enabled": True, "min_replicas": 4}),
+                          tmp_path / "config.yaml")
+    effective = launch.load_effective_config(_args(config, "--replicas", "2"))
+    assert effective.fault_tolerance.min_replicas == 2 and effective.tokens.batch_accumulation_per_replica == 2
+
+
+@pytest.mark.parametrize("logged, rc, code", [
+    (4, 0, EXIT_DONE),      # finished
+    (2, 0, EXIT_RESTART),   # mpirun returned 0 but the job was torn down before its last step (a lost node)
+    (2, 3, EXIT_RESTART),   # the trainer stopped below min_replicas
+    (0, 2, EXIT_BAD_INPUT),
+])
+def test_the_launcher_exit_code_is_judged_from_the_run_dir(tmp_path, tiny_config, logged, rc, code):
+    config = launch.load_effective_config(_args(_config(tmp_path, tiny_config, steps=4)))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
+                                                    for s in range(1, logged + 1)))
+    assert launch._judge(tmp_path, config, rc) == code
+
+
+# ------------------------------------------------------------------------------------------------ the bed
+def test_the_fake_ssh_agent_runs_a_node_here_and_kill_node_ends_its_whole_tree(tmp_path, capsys):
+    assert fake_nodes_main(["up", str(tmp_path), "--nodes", "2", "--slots", "3"]) == 0
+    exports = capsys.readouterr().out
+    assert f"NANOTRON_RECOVER_HOSTFILE={tmp_path / 'hostfile'}" in exports and "plm_ssh_agent" in exports
+    assert (tmp_path / "hostfile").read_text() == "n1 slots=3\nn2 slots=3\n"
+    env = write_bed(tmp_path, [3, 3])
+    agent = env["NANOTRON_RECOVER_MPIRUN_ARGS"].split()[2]
+    # as prterun calls ssh: options, the host, then the command
+    node = subprocess.Popen([agent, "-o", "BatchMode=yes", "-p", "22", "-x", "n2", "sleep 60 & sleep 60; wait"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(node_pids(tmp_path, "n2")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = node_pids(tmp_path, "n2")
+        assert len(pids) == 3 and node.pid in pids, pids  # the shell and its two children
+        assert sorted(kill_node(tmp_path, "n2")) == sorted(pids)  # no prted here: the whole tree
+        assert node.wait(timeout=20) == -9
+        assert node_pids(tmp_path, "n2") == []
+        assert fake_nodes_main(["kill", str(tmp_path), "n2"]) == 1  # nothing left to kill
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait(timeout=20)

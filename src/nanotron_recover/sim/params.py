@@ -12,7 +12,8 @@ The scaling models (how a cost measured on 8 processes grows to 100k GPUs) are e
   quota). ``share = max(1, processes / devices)`` models processes sharing devices (our 2-core CPU runs 8
   processes: losing processes does not lose compute there); on GPUs ``devices`` is None and ``share`` is 1.
 * in-place repair (ULFM revoke + shrink + agree + rebuild): ``repair_s * log2(ranks) / log2(repair_ranks)``.
-* restart of a job: ``restart_fixed_s + restart_per_node_s * nodes + ckpt_load_s``.
+* restart of a job: ``restart_fixed_s + restart_per_node_s * nodes + ckpt_load_s`` (+ ``restart_per_process_s
+  * processes`` where processes share devices, as on our 2-core CPU; the same for ``exit_s``).
 * checkpoint save / load: ``ckpt_fixed_s + state_gb_per_rank / storage_gb_per_s`` (ranks write in parallel).
 * state transfer to a spare: ``state_gb_per_rank / transfer_gb_per_s`` (ranks send in parallel).
 """
@@ -57,7 +58,7 @@ class Params:
     # -- workload
     accumulation: int = 4  # microbatches per replica per step failure-free: M = replicas x accumulation
     tokens_per_microbatch: int = 4 * 4096  # micro-batch size x sequence length
-    mb_s: float = 2.0  # one microbatch's forward + backward on one replica (pipeline slot)
+    mb_s: float = 0.5  # one microbatch's forward + backward on one replica (pipeline slot)
     base_s: float = 0.5  # per-step fixed part (gradient reduction, optimizer)
     devices: int | None = None  # devices shared by all processes (a CPU's cores); None: one device per process
     recover_step_factor: float = 1.0  # ReCoVer path step time / stock path step time, failure-free
@@ -78,11 +79,12 @@ class Params:
     storage_gb_per_s: float = 2.0  # per-rank checkpoint write / read bandwidth
     teardown_s: float = 30.0  # failure -> the job is gone (collective timeout, scheduler notices)
     restart_fixed_s: float = 120.0  # relaunch -> training again, without the per-node part and the load
-    restart_per_node_s: float = 0.038  # anchor: FT-HSDP ~10 min stall per failure at ~100K GPUs (12.5k nodes)
-    startup_s: float | None = None  # the first launch (None: a restart); our runs: imports, rendezvous, build
-    exit_s: float = 0.0  # last step -> job gone (held allocation)
-    exit_recover_s: float | None = None  # the same for the ReCoVer path (None: exit_s)
-    startup_recover_s: float | None = None  # the first launch of the ReCoVer path (None: startup_s)
+    restart_per_process_s: float = 0.0  # shared devices only (a CPU): processes' imports compete for the cores
+    restart_per_node_s: float = 0.035  # anchor: FT-HSDP ~10 min stall at ~100K GPUs: (600 - 30 - 120 - 10) s / 12.5k nodes
+    startup_s: float | None = None  # the first launch (None: as a restart)
+    exit_s: float = 0.0  # last step -> job gone (the allocation is held until then)
+    exit_per_process_s: float = 0.0  # shared devices only
+    exit_after_failure_s: float | None = None  # ReCoVer path once a failure happened: it skips MPI_Finalize
     failure_during_stall: str = "queue"  # queue: each failure costs its full stall, served one after the other
     #                                    # (a failure during a restart is found when that restart completes);
     #                                    # reset: the stall restarts from the new failure
@@ -111,8 +113,15 @@ class Params:
     def ckpt_load_s(self) -> float:
         return self.ckpt_save_s()
 
-    def restart_s(self, nodes: int) -> float:
-        return self.restart_fixed_s + self.restart_per_node_s * nodes + self.ckpt_load_s()
+    def restart_s(self, nodes: int, processes: int = 0, load: bool = True) -> float:
+        """A relaunch (``load``: from a checkpoint; the first launch loads nothing)."""
+        shared = self.restart_per_process_s * processes if self.devices else 0.0
+        return self.restart_fixed_s + self.restart_per_node_s * nodes + shared + (self.ckpt_load_s() if load else 0.0)
+
+    def job_exit_s(self, processes: int, recover_after_failure: bool = False) -> float:
+        if recover_after_failure and self.exit_after_failure_s is not None:
+            return self.exit_after_failure_s
+        return self.exit_s + (self.exit_per_process_s * processes if self.devices else 0.0)
 
     def transfer_s(self) -> float:
         return self.state_gb_per_rank / self.transfer_gb_per_s

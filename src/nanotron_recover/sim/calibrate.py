@@ -1,0 +1,314 @@
+"""Costs from our own measured runs: run folders (``metrics.jsonl``) or a benchmark's JSON (``compare.json`` /
+``headline.json``, written by ``benchmarks/compare.py``).
+
+What is read, and from where (every value comes back with its source in :attr:`Calibration.sources`):
+
+* step time vs quota: undisturbed step records (``step_time_s``, ``microbatches``, ``live_replicas``; processes =
+  ``tokens_per_s / tokens_per_s_per_process``), fitted to ``base_s + quota * mb_s * share`` (least squares when
+  at least two quotas were seen, else ``base_s = 0``); ``share = processes / devices`` when the run shared
+  ``devices`` CPU cores;
+* detect + repair: ``repair`` events (``total_ms``; detect = the injected kill's marker time -> repair start,
+  else the logged ``detect_ms``);
+* state transfer: ``spare_activated`` event time - its repair event's log time, per MB of the newest checkpoint
+  folder / ranks per replica;
+* checkpoint save: the gap between a checkpoint step's record and the next step's start;
+* startup / restart: a run folder's ``config.yaml`` modification time (written by ``runs.run_training`` right
+  before the launch) -> the first step's start; a folder whose first step is > 1 resumed: a restart;
+* exit: the last record -> the folder's ``output.log`` modification time (written when the job is gone).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from nanotron_recover.sim.engine import ScheduledFailure
+from nanotron_recover.sim.params import Params
+
+__all__ = ["Calibration", "from_run_dirs", "from_benchmark_json", "BenchmarkSchedule", "fit_step_model"]
+
+
+@dataclass
+class Calibration:
+    values: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def set(self, name: str, value: Any, source: str) -> None:
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return
+        self.values[name] = value
+        self.sources[name] = f"measured: {source}"
+
+    def apply(self, p: Params) -> Params:
+        from dataclasses import replace
+
+        return replace(p, sources={**p.sources, **self.sources}, **self.values)
+
+
+def _median(xs: Iterable[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def fit_step_model(points: Sequence[tuple[int, int, float]], devices: int | None) -> tuple[float, float]:
+    """(base_s, mb_s) from (quota, processes, step_s) points: least squares on x = quota * share."""
+    xs = [q * (max(1.0, n / devices) if devices else 1.0) for q, n, _ in points]
+    ys = [t for _, _, t in points]
+    if not xs:
+        raise ValueError("no step records to fit")
+    if len(set(xs)) < 2:
+        return 0.0, statistics.median(ys) / xs[0]
+    return _least_squares(xs, ys, proportional_fallback=True)
+
+
+def fit_affine(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed, per_x) of y = fixed + per_x * x by least squares; one distinct x: (median y, 0)."""
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    if not xs:
+        return float("nan"), float("nan")
+    if len(set(xs)) < 2:
+        return statistics.median(ys), 0.0
+    a, b = _least_squares(xs, ys, proportional_fallback=False)
+    if b < 0:  # more processes cannot be cheaper: noise
+        return statistics.median(ys), 0.0
+    return a, b
+
+
+def _least_squares(xs: list[float], ys: list[float], proportional_fallback: bool) -> tuple[float, float]:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    if proportional_fallback and (a < 0 or b <= 0):  # noise: fall back to proportional
+        return 0.0, statistics.median(y / x for x, y in zip(xs, ys))
+    return a, b
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+def _processes(record: dict) -> int | None:
+    a, b = record.get("tokens_per_s"), record.get("tokens_per_s_per_process")
+    return round(a / b) if a and b else None
+
+
+def _dir_size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def from_run_dirs(dirs: Sequence[str | Path], devices: int | None = None) -> Calibration:
+    """Calibrate from run folders of ``nanotron-recover train`` (through the project's metrics reader)."""
+    import yaml
+
+    from nanotron_recover.runs import read_kills, read_metrics
+
+    cal = Calibration()
+    points: list[tuple[int, int, float]] = []
+    detect, repair, repair_ranks, transfer_ms_mb, saves, startups, restarts, exits = ([] for _ in range(8))
+    names = []
+    for d in map(Path, dirs):
+        steps, events = read_metrics(d)
+        if not steps:
+            continue
+        names.append(d.name)
+        cfg = {}
+        if (d / "config.yaml").is_file():
+            cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
+        par = cfg.get("parallelism") or {}
+        rpr = int(par.get("tp", 1)) * int(par.get("pp", 1))
+        for i, s in enumerate(steps):
+            n = _processes(s)
+            if i < 2 or s.get("recoveries") or not n or not s.get("live_replicas"):
+                continue
+            points.append((math.ceil(s["microbatches"] / s["live_replicas"]), n, float(s["step_time_s"])))
+        kills = [k for k in read_kills(d) if k["time"] is not None]
+        reps = [e for e in events if e.get("event") == "repair"]
+        for e in reps:
+            repair.append(e["total_ms"] / 1000)
+            repair_ranks.append(len(e.get("live_replicas") or []) * rpr or None)
+            start = float(e.get("wall_time", e["time"])) - e["total_ms"] / 1000
+            before = [k["time"] for k in kills if k["time"] <= start]
+            detect.append(start - max(before) if before else e.get("detect_ms", 0) / 1000)
+        ckpt_dir = d / ((cfg.get("checkpoints") or {}).get("checkpoints_path") or "checkpoints")
+        folders = sorted((p for p in ckpt_dir.glob("[0-9]*") if p.is_dir()), key=lambda p: int(p.name)) \
+            if ckpt_dir.is_dir() else []
+        state_mb = _dir_size_mb(folders[-1]) / max(1, rpr) if folders else None
+        for e in events:
+            if e.get("event") == "spare_activated" and state_mb:
+                rep = [r for r in reps if r["time"] <= e["time"]]
+                if rep:
+                    transfer_ms_mb.append((e["time"] - rep[-1]["time"]) * 1000 / state_mb)
+        by_step = {s["step"]: s for s in steps}
+        for f in folders:
+            k = int(f.name)
+            if k in by_step and k + 1 in by_step:
+                nxt = by_step[k + 1]
+                saves.append(nxt["time"] - nxt["step_time_s"] - by_step[k]["time"])
+        first = steps[0]
+        if (d / "config.yaml").is_file():
+            up = first["time"] - first["step_time_s"] - (d / "config.yaml").stat().st_mtime
+            (restarts if first["step"] > 1 else startups).append(up)
+        for prev, cur in zip(steps, steps[1:]):  # a relaunch appended to the same folder (requeue)
+            if cur["time"] - cur["step_time_s"] > prev["time"] + 1.0 and cur["step"] <= prev["step"] + 1 \
+                    and any(e.get("event") == "stopped" and prev["time"] <= e["time"] <= cur["time"] for e in events):
+                restarts.append(cur["time"] - cur["step_time_s"] - prev["time"])
+        if (d / "output.log").is_file():
+            exits.append((d / "output.log").stat().st_mtime - max(r["time"] for r in steps + events))
+        if state_mb:
+            cal.set("state_gb_per_rank", state_mb / 1024, f"newest checkpoint of {d.name} / {rpr} ranks")
+    src = ", ".join(names) or "no run"
+    if points:
+        base, mb = fit_step_model(points, devices)
+        cal.set("base_s", base, f"{len(points)} step records of {src}")
+        cal.set("mb_s", mb, f"{len(points)} step records of {src}")
+        cal.set("devices", devices, "the machine the runs shared (cores)")
+    cal.set("detect_s", _median(detect), f"{len(detect)} repair events")
+    cal.set("repair_s", _median(repair), f"{len(repair)} repair events")
+    cal.set("repair_ranks", _median([r for r in repair_ranks if r]) and int(_median([r for r in repair_ranks if r])),
+            "ranks in those repairs")
+    tm = _median(transfer_ms_mb)
+    if tm:
+        cal.set("transfer_gb_per_s", 1000 / tm / 1.024, f"{len(transfer_ms_mb)} spare activations ({tm:.3g} ms/MB)")
+    s = _median(saves)
+    if s is not None and "state_gb_per_rank" in cal.values:
+        cal.set("ckpt_fixed_s", 0.0, "save time taken as size / bandwidth")
+        cal.set("storage_gb_per_s", cal.values["state_gb_per_rank"] / max(s, 1e-6), f"{len(saves)} checkpoint saves")
+    cal.set("startup_s", _median(startups), f"{len(startups)} launches (config.yaml mtime -> first step)")
+    r = _median(restarts)
+    if r is not None:
+        cal.set("restart_fixed_s", r, f"{len(restarts)} relaunches (restart_per_node_s and load not separated)")
+        cal.set("restart_per_node_s", 0.0, "one node only: not measurable here")
+    cal.set("exit_s", _median(exits), f"{len(exits)} job ends (last record -> output.log)")
+    return cal
+
+
+# ---------------------------------------------------------------------------------------------- benchmark JSON
+@dataclass(frozen=True)
+class BenchmarkSchedule:
+    """What a comparison ran: enough to simulate it again."""
+
+    dp: int
+    accumulation: int
+    steps: int
+    checkpoint_interval: int
+    failures: tuple[ScheduledFailure, ...]
+    tokens_per_microbatch: int
+    devices: int | None
+    measured_ratio: float  # recover / checkpoint-restart effective throughput, as the benchmark measured it
+    baseline: str  # ckpt_restart_A (survivors) or ckpt_restart_B (full size)
+
+
+def _time_of(segments: Sequence[Sequence[float]], ps: float) -> float:
+    """Invert process-seconds -> wall time along the run's (t0, t1, processes) segments."""
+    acc = 0.0
+    for t0, t1, n in segments:
+        span = (t1 - t0) * n
+        if n > 0 and acc + span >= ps - 1e-9:
+            return t0 + (ps - acc) / n
+        acc += span
+    return segments[-1][1]
+
+
+def _attempt_steps(run: dict) -> list[list[float]]:
+    """Wall time of every step record, grouped by attempt, from the run's progress curve and segments as the JSON
+    keeps them: after the origin, each attempt has one entry for its launch, then one per step record."""
+    prog = run["progress"]
+    out, i = [], 1
+    for a in run["attempts"]:
+        i += 1  # the launch entry
+        n = int(a["n_steps_logged"])
+        out.append([_time_of(run["segments"], ps) for ps, _ in prog[i:i + n]])
+        i += n
+    return out
+
+
+def _first_startup(run: dict, step_s: float) -> float:
+    a = run["attempts"][0]
+    first = _attempt_steps(run)[0]
+    return (first[0] - step_s - a["launch_t"]) if first else float("nan")
+
+
+def from_benchmark_json(path: str | Path) -> tuple[Calibration, Calibration, BenchmarkSchedule]:
+    """(stock-path costs, ReCoVer-path costs, schedule) from a comparison's JSON (``headline.json``).
+
+    Each cost is the median over every run of that path in the file, not the value of the run it will be
+    compared with: the stock path's startup from ``reference`` and both checkpoint-restart variants' first
+    launches, its restart from every relaunch of both variants, and so on."""
+    data = json.loads(Path(path).read_text())
+    runs = data["runs"]
+    name = Path(path).name
+    stock = [r for n, r in runs.items() if n == "reference" or n.startswith("ckpt_restart")]
+    rec = [r for n, r in runs.items() if n in ("recover", "recover_ff", "shrinking")]
+    ref = runs.get("reference") or stock[0]
+    a0 = ref["attempts"][0]
+    dp, acc = int(a0["dp"]), int(a0["accumulation"])
+    M = dp * acc
+    tpm = int(round(ref["committed_tokens"] / ref["final_step"] / M))
+    cores = os.cpu_count()
+    machine = str(data.get("machine", ""))
+    if machine.split(" ")[0].isdigit() and "CPU only" in machine:
+        cores = int(machine.split(" ")[0])
+
+    def step_median(rs: list[dict]) -> float:
+        diffs = []
+        for r in rs:
+            for ts in _attempt_steps(r):
+                diffs += [b - a for a, b in zip(ts[2:], ts[3:])]  # the first steps of a job are slower
+        return statistics.median(diffs)
+
+    # launches (first and relaunches, both paths) and clean job ends, against the processes of the job
+    launches, clean_exits, exits_after_failure = [], [], []
+    for r in runs.values():
+        step = step_median([r])
+        had_failure = bool(r.get("failures"))
+        for a, ts in zip(r["attempts"], _attempt_steps(r)):
+            if ts:
+                launches.append((a["n_procs"], ts[0] - step - a["launch_t"]))
+                if a["returncode"] == 0 and not a["kills"]:
+                    (exits_after_failure if had_failure and not r["name"].startswith("ckpt") else clean_exits
+                     ).append((a["n_procs"], a["end_t"] - ts[-1]))
+
+    def path_cal(rs: list[dict], what: str) -> Calibration:
+        cal = Calibration()
+        step = step_median(rs)
+        cal.set("base_s", 0.0, "one quota x share value only")
+        cal.set("mb_s", step / (acc * dp / cores), f"median step {step:.3f} s of {what} in {name} at {dp} processes,"
+                f" quota {acc}, {cores} cores")
+        cal.set("devices", cores, f"{name}: machine line")
+        fixed, per = fit_affine(launches)
+        cal.set("restart_fixed_s", fixed, f"{len(launches)} launches (first + relaunches) in {name}, vs processes")
+        cal.set("restart_per_process_s", per, f"{len(launches)} launches in {name}, vs processes")
+        cal.set("restart_per_node_s", 0.0, "one node")
+        fixed, per = fit_affine(clean_exits)
+        cal.set("exit_s", fixed, f"{len(clean_exits)} clean job ends (last record -> job gone) in {name}")
+        cal.set("exit_per_process_s", per, f"{len(clean_exits)} clean job ends in {name}, vs processes")
+        cal.set("exit_after_failure_s", _median(e for _, e in exits_after_failure),
+                f"{len(exits_after_failure)} ReCoVer job ends after failures in {name}")
+        return cal
+
+    stock_cal = path_cal(stock, "the stock path")
+    fails = [f for r in stock if r["name"].startswith("ckpt_restart") for f in r.get("failures", [])]
+    stock_cal.set("teardown_s", _median(f.get("detect_teardown_s") for f in fails), f"kill -> mpirun exit, {name}")
+    saves = [s for r in stock for s in r.get("checkpoint_save_s", [])]
+    rec_cal = path_cal(rec, "the ReCoVer path")
+    for cal in (stock_cal, rec_cal):  # the same checkpoint code on both paths
+        cal.set("ckpt_fixed_s", _median(saves), f"{len(saves)} checkpoint saves in {name}")
+        cal.set("state_gb_per_rank", 0.0, "save time measured whole (ckpt_fixed_s)")
+    rfails = [f for r in rec for f in r.get("failures", []) if "detect_s" in f]
+    rec_cal.set("detect_s", _median(f["detect_s"] for f in rfails), f"{len(rfails)} failures in {name}")
+    rec_cal.set("repair_s", _median(f["repair_s"] for f in rfails), f"{len(rfails)} failures in {name}")
+    rec_cal.set("repair_ranks", dp, "processes of the job")
+
+    ck = runs.get(data.get("headline", {}).get("baseline", "ckpt_restart_A")) or stock[-1]
+    interval = int(ck.get("checkpoint_interval") or 0)
+    kill_fraction = 0.5  # a SIGKILL in the backward pass: about half-way through the step
+    events = []
+    for f in ck.get("failures", []):
+        events.append(ScheduledFailure(f["step"] - 1 + kill_fraction, tuple(f["replicas"])))
+    sched = BenchmarkSchedule(dp, acc, int(ck["target_steps"]), interval, tuple(events), tpm, cores,
+                              float(data["headline"]["recover_vs_ckpt_restart_effective_throughput"]),
+                              ck["name"])
+    return stock_cal, rec_cal, sched

@@ -1,0 +1,357 @@
+"""The discrete-event simulation of one training run under one policy.
+
+Between two events nothing changes, so progress is continuous: while the job trains, steps advance at
+``1 / step_s`` and tokens at ``tokens_per_step / step_s``. Events: a failure (drawn per GPU and per node in wall
+time, or scheduled at a step), a periodic checkpoint due, the end of a stall (in-step recovery, a checkpoint
+save, a teardown, a restart), a replica rejoining, the target step, the horizon. That keeps a month at 131k GPUs
+to a few thousand events.
+
+Accounting (:class:`SimResult`): useful tokens (tokens of steps that stay in the final trajectory: work lost to
+a rollback is subtracted), wall time, allocated GPU-seconds (every GPU of the cluster, for the whole wall time)
+and live process-seconds (the benchmarks' "process-seconds": processes of the current job, dead ones not
+counted; a relaunch counts with its own size from the moment it is started).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+from nanotron_recover.sim.cluster import Cluster
+from nanotron_recover.sim.params import Params
+from nanotron_recover.sim.policies import Policy
+
+__all__ = ["ScheduledFailure", "SimResult", "simulate", "ideal_tokens_per_gpu_s"]
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ScheduledFailure:
+    """At progress ``step`` (e.g. 18.5: half-way through step 19) one rank of each slot in ``slots`` dies."""
+
+    step: float
+    slots: tuple[int, ...]
+    kind: str = "gpu"  # gpu | node (a node: every slot listed loses its node)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    cluster: Cluster
+    wall_s: float
+    tokens: float
+    steps: float
+    gpu_s_allocated: float
+    process_s: float
+    failures: int = 0
+    node_failures: int = 0
+    crashes: int = 0  # job ends that roll back to a checkpoint
+    requeues: int = 0  # planned checkpoint + relaunch below min_replicas
+    spares_used: int = 0
+    stall_s: float = 0.0  # wall time the job spent not training (startup excluded)
+    ideal_tokens_per_gpu_s: float = 0.0
+    failure_free_tokens_per_s: float = 0.0  # this policy's own rate without failures (its checkpoints included)
+    events: list[tuple[float, str]] = field(default_factory=list)
+
+    @property
+    def ettr(self) -> float:
+        """Useful tokens / tokens the whole cluster could have trained failure-free in the same wall time."""
+        ideal = self.cluster.gpus * self.wall_s * self.ideal_tokens_per_gpu_s
+        return self.tokens / ideal if ideal else 0.0
+
+    @property
+    def tokens_per_gpu_hour(self) -> float:
+        return self.tokens / (self.gpu_s_allocated / 3600.0) if self.gpu_s_allocated else 0.0
+
+    @property
+    def effective_throughput(self) -> float:
+        """Tokens per live process-second (the benchmarks' effective throughput)."""
+        return self.tokens / self.process_s if self.process_s else 0.0
+
+    @property
+    def tokens_lost_per_failure(self) -> float:
+        """(This policy's failure-free tokens in the same wall time - useful tokens) / failures."""
+        if not self.failures:
+            return 0.0
+        return max(0.0, self.failure_free_tokens_per_s * self.wall_s - self.tokens) / self.failures
+
+
+def ideal_tokens_per_gpu_s(cluster: Cluster, p: Params) -> float:
+    """Failure-free, checkpoint-free stock job with every slot training: tokens per GPU-second."""
+    slots = cluster.slots
+    step = p.step_s(p.accumulation, slots * cluster.ranks_per_replica, cluster.pp)
+    return slots * p.accumulation * p.tokens_per_microbatch / step / cluster.job_gpus
+
+
+class _Run:
+    """Mutable state of one simulated run (see the module docstring)."""
+
+    def __init__(self, cluster: Cluster, policy: Policy, p: Params, rng: random.Random,
+                 scheduled: Sequence[ScheduledFailure], random_failures: bool, log: bool) -> None:
+        self.c = replace(cluster, spare_replicas=policy.spare_replicas)
+        self.pol, self.p, self.rng, self.log = policy, p, rng, log
+        self.R0 = self.c.replicas
+        self.M = self.R0 * p.accumulation
+        self.t = 0.0
+        self.progress = 0.0
+        self.tokens = 0.0
+        self.ckpt_progress, self.ckpt_tokens = 0.0, 0.0
+        self.next_ckpt = float(policy.checkpoint_interval) if policy.checkpoint_interval else math.inf
+        self.scheduled = sorted(scheduled, key=lambda f: f.step)
+        self.failed_slots: set[int] = set()  # never back in this job (scheduled: never again at all)
+        self.generation = 0
+        self.rejoins: list[tuple[float, int, int]] = []  # (time, generation, slot)
+        self.pending: deque[list] = deque()  # [kind, remaining_s, processes]
+        self.phase = "run"
+        self.done = False
+        self.res = SimResult(policy.name, self.c, 0.0, 0.0, 0.0, 0.0, 0.0,
+                             ideal_tokens_per_gpu_s=ideal_tokens_per_gpu_s(self.c, p))
+        self._full_job()
+        # the first launch
+        start = p.startup_s if p.startup_s is not None else p.restart_s(self.c.nodes, self.job_procs(), load=False)
+        self._push("startup", start, self.job_procs())
+        rate = 1.0 / (p.mttf_hours(self.c.job_gpus) * 3600.0) if random_failures else 0.0
+        self.fail_rate = rate
+        self.next_fail = self.t + rng.expovariate(rate) if rate > 0 else math.inf
+
+    # -- layout
+    def _full_job(self) -> None:
+        """A (re)launched job: every slot not lost for good (replacement) or only the healthy ones."""
+        if self.p.replacement:
+            self.failed_slots = set()
+        usable = [s for s in range(self.c.slots) if s not in self.failed_slots]
+        n_spares = min(self.pol.spare_replicas, max(0, len(usable) - 1))
+        self.active = set(usable[: len(usable) - n_spares])
+        self.spares = list(usable[len(usable) - n_spares:])
+        self.generation += 1
+
+    def job_procs(self) -> int:
+        return (len(self.active) + len(self.spares)) * self.c.ranks_per_replica
+
+    # -- rates
+    def quota(self) -> int:
+        return math.ceil(self.M / len(self.active)) if self.pol.keep_m else self.p.accumulation
+
+    def step_s(self) -> float:
+        return self.p.step_s(self.quota(), self.job_procs(), self.c.pp, recover=self.pol.recover_path)
+
+    def tokens_per_step(self) -> float:
+        mbs = self.M if self.pol.keep_m else len(self.active) * self.p.accumulation
+        return mbs * self.p.tokens_per_microbatch
+
+    # -- phases
+    def _push(self, kind: str, dur: float, procs: int) -> None:
+        self.pending.append([kind, max(0.0, dur), procs])
+        self.phase = "stalled"
+
+    def _event(self, what: str) -> None:
+        if self.log:
+            self.res.events.append((self.t, what))
+
+    def _advance(self, t_next: float) -> None:
+        dt = t_next - self.t
+        if dt <= 0:
+            return
+        if self.phase == "run":
+            procs = self.job_procs()
+            step = self.step_s()
+            self.progress += dt / step
+            self.tokens += dt / step * self.tokens_per_step()
+        else:
+            head = self.pending[0]
+            procs = head[2]
+            head[1] -= dt
+            if head[0] != "startup":
+                self.res.stall_s += dt
+        self.res.process_s += procs * dt
+        self.t = t_next
+
+    def _phase_done(self) -> None:
+        kind, _, _ = self.pending.popleft()
+        if kind == "save":
+            self.ckpt_progress, self.ckpt_tokens = self.progress, self.tokens
+        elif kind in ("restart", "startup"):
+            if kind == "restart":
+                self._full_job()
+        elif kind == "exit":
+            self.done = True
+        if not self.pending and not self.done:
+            self.phase = "run"
+
+    # -- failures
+    def _crash(self, dead_procs: int) -> None:
+        """The whole job ends: roll back to the last checkpoint, tear down, relaunch."""
+        self.res.crashes += 1
+        self.progress, self.tokens = self.ckpt_progress, self.ckpt_tokens
+        self.next_ckpt = self._next_ckpt_after(self.progress)
+        self.pending.clear()
+        self._push("teardown", self.p.teardown_s, max(0, self.job_procs() - dead_procs))
+        procs = self._relaunch_procs()
+        self._push("restart", self.p.restart_s(self.c.nodes, procs), procs)
+        self._event("crash")
+
+    def _relaunch_procs(self) -> int:
+        if self.p.replacement:
+            return self.c.slots * self.c.ranks_per_replica
+        return sum(1 for s in range(self.c.slots) if s not in self.failed_slots) * self.c.ranks_per_replica
+
+    def _next_ckpt_after(self, progress: float) -> float:
+        k = self.pol.checkpoint_interval
+        return (math.floor(progress / k + _EPS) + 1) * k if k else math.inf
+
+    def exit_s(self) -> float:
+        return self.p.job_exit_s(self.job_procs(), self.pol.recover_path and self.res.failures > 0)
+
+    def _in_restart(self) -> bool:
+        return self.phase != "run" and self.pending[0][0] in ("teardown", "restart", "startup", "exit")
+
+    def fail(self, slots: Iterable[int], node: bool) -> None:
+        slots = [s for s in slots if s in self.active or s in self.spares]
+        if not slots or self.done:
+            return  # hardware the job does not use (failed before, not replaced)
+        self.res.failures += 1
+        self.res.node_failures += int(node)
+        if self._in_restart():
+            head = self.pending[0][0]
+            if head in ("restart", "startup"):  # the relaunch fails too: another one (model: failure_during_stall)
+                dur = self.p.restart_s(self.c.nodes, self.pending[0][2])
+                if self.p.failure_during_stall == "reset":
+                    self.pending[0][1] = dur
+                else:
+                    self.pending.insert(1, ["restart", dur, self.pending[0][2]])
+            return  # a failure during teardown / exit: the job is going away anyway
+        dead_procs = self.c.gpus_per_node if node else len(slots)
+        if not self.pol.in_place or (node and self.pol.node_loss_ends_job):
+            if not self.p.replacement:
+                self.failed_slots.update(slots)
+            self._crash(dead_procs)
+            return
+        # in place: the replicas leave, the survivors repair in-step
+        hang = (not node) and self.rng.random() < self.p.hang_fraction
+        stall = (self.p.hang_timeout_s if hang else self.p.detect_s) + self.p.repair_at(self.job_procs())
+        lost_active = [s for s in slots if s in self.active]
+        for s in slots:
+            if s in self.spares:
+                self.spares.remove(s)
+        q_before = self.quota()
+        for s in lost_active:
+            self.active.discard(s)
+            self.failed_slots.add(s)
+            if self.pol.rejoin:
+                heapq.heappush(self.rejoins, (self.t + self.p.rejoin_s, self.generation, s))
+        for s in lost_active:
+            if self.spares:
+                self.active.add(self.spares.pop())
+                self.res.spares_used += 1
+                stall += self.p.transfer_s()
+        if len(self.active) < max(1, self.pol.min_replicas):
+            if self.active:  # planned stop: checkpoint and exit, the requeued job starts at full size
+                self.res.requeues += 1
+                self._push("stall", stall, self.job_procs())
+                self._push("save", self.p.ckpt_save_s(), self.job_procs())
+                self._push("teardown", self.exit_s(), self.job_procs())
+                procs = self._relaunch_procs()
+                self._push("restart", self.p.restart_s(self.c.nodes, procs), procs)
+                self._event("requeue")
+            else:
+                self._crash(dead_procs)
+            return
+        if self.pol.keep_m and lost_active:  # orphaned microbatches of this step, spread over the survivors
+            orphans = q_before * len(lost_active)
+            share = max(1.0, self.job_procs() / self.p.devices) if self.p.devices else 1.0
+            stall += math.ceil(orphans / len(self.active)) * self.p.mb_s * share
+        self._push("stall", stall, self.job_procs())
+        self._event(f"in-place ({len(lost_active)} replica(s) left, {len(self.active)} active)")
+
+    def random_failure(self) -> None:
+        node = self.rng.random() < self.p.node_fraction
+        if node:
+            n = self.rng.randrange(self.c.nodes)
+            self.fail(self.c.slots_of_node(n), node=True)
+        else:
+            g = self.rng.randrange(self.c.job_gpus)
+            self.fail([self.c.slot_of_gpu(g)], node=False)
+
+    def scheduled_failure(self, f: ScheduledFailure) -> None:
+        self.fail(f.slots, node=f.kind == "node")
+
+
+def simulate(
+    cluster: Cluster,
+    policy: Policy,
+    p: Params,
+    *,
+    horizon_s: float | None = None,
+    target_steps: float | None = None,
+    scheduled: Sequence[ScheduledFailure] = (),
+    random_failures: bool = True,
+    seed: int = 0,
+    log_events: bool = False,
+) -> SimResult:
+    """One run until ``target_steps`` are committed (then the job exits) or ``horizon_s`` of wall time."""
+    if horizon_s is None and target_steps is None:
+        raise ValueError("give horizon_s or target_steps")
+    run = _Run(cluster, policy, p, random.Random(seed), scheduled, random_failures, log_events)
+    horizon = horizon_s if horizon_s is not None else math.inf
+    target = target_steps if target_steps is not None else math.inf
+    sched = deque(run.scheduled)
+    guard = 0
+    while not run.done and run.t < horizon - _EPS:
+        guard += 1
+        if guard > 5_000_000:
+            raise RuntimeError("simulation did not converge (event storm)")
+        cands: list[tuple[float, str]] = [(horizon, "horizon"), (run.next_fail, "fail")]
+        if run.rejoins:
+            cands.append((run.rejoins[0][0], "rejoin"))
+        if run.phase == "run":
+            step = run.step_s()
+            for prog, what in ((target, "target"), (run.next_ckpt, "ckpt"),
+                               (sched[0].step if sched else math.inf, "sched")):
+                if prog < math.inf:
+                    cands.append((run.t + max(0.0, prog - run.progress) * step, what))
+        else:
+            cands.append((run.t + run.pending[0][1], "phase"))
+        t_next, what = min(cands, key=lambda c: c[0])
+        run._advance(t_next)
+        if what == "horizon":
+            break
+        if what == "fail":
+            run.random_failure()
+            run.next_fail = run.t + run.rng.expovariate(run.fail_rate)
+        elif what == "rejoin":
+            _, gen, slot = heapq.heappop(run.rejoins)
+            if gen == run.generation and run.phase == "run" and slot in run.failed_slots:
+                run.failed_slots.discard(slot)
+                run.active.add(slot)
+        elif what == "phase":
+            run._phase_done()
+        elif what == "target":
+            run.progress = target
+            run._push("exit", run.exit_s(), run.job_procs())
+        elif what == "ckpt":
+            run.progress = run.next_ckpt
+            run.next_ckpt += policy.checkpoint_interval or math.inf
+            run._push("save", p.ckpt_save_s(), run.job_procs())
+        elif what == "sched":
+            run.progress = max(run.progress, sched[0].step)
+            run.scheduled_failure(sched.popleft())
+    res = run.res
+    res.wall_s, res.tokens, res.steps = run.t, run.tokens, run.progress
+    res.gpu_s_allocated = cluster.gpus * run.t
+    res.failure_free_tokens_per_s = failure_free_rate(cluster, policy, p)
+    return res
+
+
+def failure_free_rate(cluster: Cluster, policy: Policy, p: Params) -> float:
+    """Tokens per second of ``policy`` without failures, checkpoints included, startup excluded."""
+    c = replace(cluster, spare_replicas=policy.spare_replicas)
+    step = p.step_s(p.accumulation, c.slots * c.ranks_per_replica, c.pp, recover=policy.recover_path)
+    tokens = c.replicas * p.accumulation * p.tokens_per_microbatch
+    k = policy.checkpoint_interval
+    per_step = step + (p.ckpt_save_s() / k if k else 0.0)
+    return tokens / per_step

@@ -1,0 +1,100 @@
+"""Checkpoint intervals (Young/Daly) and the search behind ``plan``'s recommendations.
+
+Young/Daly: the interval that minimises checkpoint cost + expected lost work is ``sqrt(2 * save_s * MTBF)``,
+where MTBF is the mean time between the failures that *roll back*: every failure for checkpoint-restart, only
+node losses for ReCoVer as coded (a process failure is recovered in-step, a requeue below ``min_replicas``
+checkpoints first), none for a policy that never rolls back (then the interval only bounds a disaster's loss:
+we use the node-loss MTBF as well).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from nanotron_recover.sim.cluster import Cluster
+from nanotron_recover.sim.engine import SimResult, simulate
+from nanotron_recover.sim.params import Params
+from nanotron_recover.sim import policies as P
+
+__all__ = ["young_daly_s", "interval_steps", "rollback_mtbf_s", "Recommendation", "recommend", "run_policies"]
+
+
+def young_daly_s(save_s: float, mtbf_s: float) -> float:
+    """The optimal compute time between checkpoints, first order (Young 1974; Daly 2006)."""
+    if save_s < 0 or mtbf_s <= 0:
+        raise ValueError("save_s must be >= 0 and mtbf_s > 0")
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def rollback_mtbf_s(cluster: Cluster, p: Params, in_place: bool) -> float:
+    mtbf = p.mttf_hours(cluster.job_gpus) * 3600.0
+    return mtbf / max(p.node_fraction, 1e-9) if in_place else mtbf
+
+
+def interval_steps(cluster: Cluster, p: Params, in_place: bool, recover_path: bool = False) -> int:
+    """Young/Daly's interval in whole steps (at least 1)."""
+    step = p.step_s(p.accumulation, cluster.slots * cluster.ranks_per_replica, cluster.pp, recover=recover_path)
+    tau = young_daly_s(p.ckpt_save_s(), rollback_mtbf_s(cluster, p, in_place))
+    return max(1, round(tau / step))
+
+
+def mean_result(results: Sequence[SimResult]) -> dict[str, float]:
+    return {
+        "ettr": statistics.fmean(r.ettr for r in results),
+        "tokens_per_gpu_hour": statistics.fmean(r.tokens_per_gpu_hour for r in results),
+        "tokens_lost_per_failure": statistics.fmean(r.tokens_lost_per_failure for r in results),
+        "failures": statistics.fmean(r.failures for r in results),
+        "crashes": statistics.fmean(r.crashes for r in results),
+        "requeues": statistics.fmean(r.requeues for r in results),
+        "ettr_min": min(r.ettr for r in results),
+        "ettr_max": max(r.ettr for r in results),
+    }
+
+
+def run_policies(cluster: Cluster, p: Params, policies: Sequence[P.Policy], horizon_s: float,
+                 seeds: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Each policy over the same seeds (the same failure draws where the policies see the same hardware)."""
+    return {pol.name: mean_result([simulate(cluster, pol, p, horizon_s=horizon_s, seed=s) for s in seeds])
+            for pol in policies}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    spare_replicas: int
+    min_replicas: int
+    checkpoint_interval: int  # for ReCoVer (node losses)
+    ckpt_restart_interval: int  # for the stock path
+    ettr: float
+
+
+def _candidates(replicas: int) -> tuple[list[int], list[int]]:
+    spares = sorted({s for s in (0, 1, 2, 4, 8, 16, 32, 64) if s <= max(0, replicas // 4)})
+    fracs = (1.0, 0.99, 0.97, 0.95, 0.9, 0.75, 0.5)
+    mins = sorted({max(1, min(replicas, math.floor(f * replicas))) for f in fracs} | {1})
+    return spares, mins
+
+
+def recommend(cluster: Cluster, p: Params, horizon_s: float, seeds: Sequence[int] = (0, 1)) -> Recommendation:
+    """Search spare_replicas x min_replicas for ReCoVer (as coded) at its Young/Daly interval; best mean ETTR.
+
+    ``min_replicas`` is a count of *training* replicas left (spares excluded), as the config's field."""
+    slots = cluster.slots
+    k_rec = interval_steps(cluster, p, in_place=True, recover_path=True)
+    k_ckpt = interval_steps(cluster, p, in_place=False)
+    best: Recommendation | None = None
+    spares_c, _ = _candidates(slots)
+    for spares in spares_c:
+        train = slots - spares
+        if train < 1:
+            continue
+        _, mins = _candidates(train)
+        for mn in mins:
+            pol = P.recover_spares(k_rec, spares, mn)
+            e = statistics.fmean(simulate(cluster, pol, p, horizon_s=horizon_s, seed=s).ettr for s in seeds)
+            if best is None or e > best.ettr + 1e-12:
+                best = Recommendation(spares, mn, k_rec, k_ckpt, e)
+    assert best is not None
+    return best

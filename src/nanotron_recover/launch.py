@@ -196,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-data", help="tokenize a corpus (default: the King James Bible) into datatrove files")
     add_prepare_arguments(prep)
     prep.set_defaults(func=_cmd_prepare_data)
+    from nanotron_recover.sim.plan import add_plan_arguments, run_plan  # pure Python, no torch / MPI
+
+    plan = sub.add_parser("plan", help="simulate failures on a cluster: ETTR per policy, recommended settings")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=run_plan)
     return parser
 
 

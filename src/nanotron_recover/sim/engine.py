@@ -95,6 +95,7 @@ class _Run:
                  scheduled: Sequence[ScheduledFailure], random_failures: bool, log: bool) -> None:
         self.c = replace(cluster, spare_replicas=policy.spare_replicas)
         self.pol, self.p, self.rng, self.log = policy, p, rng, log
+        self.misc = random.Random(rng.random())  # hangs: apart, so every policy sees the same failure stream
         self.R0 = self.c.replicas
         self.M = self.R0 * p.accumulation
         self.t = 0.0
@@ -232,7 +233,7 @@ class _Run:
             self._crash(dead_procs)
             return
         # in place: the replicas leave, the survivors repair in-step
-        hang = (not node) and self.rng.random() < self.p.hang_fraction
+        hang = (not node) and self.misc.random() < self.p.hang_fraction
         stall = (self.p.hang_timeout_s if hang else self.p.detect_s) + self.p.repair_at(self.job_procs())
         lost_active = [s for s in slots if s in self.active]
         for s in slots:
@@ -325,7 +326,7 @@ def simulate(
             run.next_fail = run.t + run.rng.expovariate(run.fail_rate)
         elif what == "rejoin":
             _, gen, slot = heapq.heappop(run.rejoins)
-            if gen == run.generation and run.phase == "run" and slot in run.failed_slots:
+            if gen == run.generation and slot in run.failed_slots and not run.done:
                 run.failed_slots.discard(slot)
                 run.active.add(slot)
         elif what == "phase":

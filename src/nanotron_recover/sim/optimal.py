@@ -77,7 +77,8 @@ def _candidates(replicas: int) -> tuple[list[int], list[int]]:
     return spares, mins
 
 
-def recommend(cluster: Cluster, p: Params, horizon_s: float, seeds: Sequence[int] = (0, 1)) -> Recommendation:
+def recommend(cluster: Cluster, p: Params, horizon_s: float, seeds: Sequence[int] = (0, 1),
+              spares: Sequence[int] | None = None) -> Recommendation:
     """Search spare_replicas x min_replicas for ReCoVer (as coded) at its Young/Daly interval; best mean ETTR.
 
     ``min_replicas`` is a count of *training* replicas left (spares excluded), as the config's field."""
@@ -85,16 +86,16 @@ def recommend(cluster: Cluster, p: Params, horizon_s: float, seeds: Sequence[int
     k_rec = interval_steps(cluster, p, in_place=True, recover_path=True)
     k_ckpt = interval_steps(cluster, p, in_place=False)
     best: Recommendation | None = None
-    spares_c, _ = _candidates(slots)
-    for spares in spares_c:
-        train = slots - spares
+    spares_c = list(spares) if spares is not None else _candidates(slots)[0]
+    for n_spares in spares_c:
+        train = slots - n_spares
         if train < 1:
             continue
         _, mins = _candidates(train)
         for mn in mins:
-            pol = P.recover_spares(k_rec, spares, mn)
+            pol = P.recover_spares(k_rec, n_spares, mn)
             e = statistics.fmean(simulate(cluster, pol, p, horizon_s=horizon_s, seed=s).ettr for s in seeds)
             if best is None or e > best.ettr + 1e-12:
-                best = Recommendation(spares, mn, k_rec, k_ckpt, e)
+                best = Recommendation(n_spares, mn, k_rec, k_ckpt, e)
     assert best is not None
     return best

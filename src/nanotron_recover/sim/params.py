@@ -141,7 +141,7 @@ _DEFAULT_SOURCES = {
 }
 
 
-def describe(p: Params, gpus: int | None = None, pp: int = 1) -> list[tuple[str, str, str]]:
+def describe(p: Params, gpus: int | None = None, pp: int = 1, gpus_per_node: int = 8) -> list[tuple[str, str, str]]:
     """(name, value, source) for every parameter, derived costs included: what a result was computed from."""
     rows: list[tuple[str, str, str]] = []
     for f in fields(p):
@@ -157,7 +157,8 @@ def describe(p: Params, gpus: int | None = None, pp: int = 1) -> list[tuple[str,
         ("= transfer_s", f"{p.transfer_s():.4g}", "state_gb_per_rank / transfer_gb_per_s"),
     ]
     if gpus:
-        nodes = math.ceil(gpus / 8)
-        rows.append(("= restart_s", f"{p.restart_s(nodes):.4g}", f"at {nodes} nodes of 8: fixed + per node + load"))
+        nodes = math.ceil(gpus / gpus_per_node)
+        rows.append(("= restart_s", f"{p.restart_s(nodes):.4g}",
+                     f"at {nodes} nodes of {gpus_per_node}: fixed + per node + load"))
         rows.append(("= repair_s at job", f"{p.repair_at(gpus):.4g}", "repair_s x log2(ranks) / log2(repair_ranks)"))
     return rows

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# A throwaway one-node Slurm cluster for tests and demos, everything under one scratch folder.
+# A throwaway Slurm cluster for tests and demos, everything under one scratch folder: one node, or
+# CLUSTER_NODES=N nodes n1..nN on this one machine (one slurmd each, `slurmd -N nI`, each on its own port).
 #
-#   scripts/slurm/cluster.sh up     <scratch_dir>   # munged + slurmctld + slurmd, waits until the node is idle
+#   scripts/slurm/cluster.sh up     <scratch_dir>   # munged + slurmctld + slurmd(s), waits until every node is idle
 #   scripts/slurm/cluster.sh status <scratch_dir>   # daemons alive? sinfo
-#   scripts/slurm/cluster.sh down   <scratch_dir>   # stops the three daemons by the pids in their pid files
+#   scripts/slurm/cluster.sh down   <scratch_dir>   # stops the daemons by the pids in their pid files
 #   scripts/slurm/cluster.sh env    <scratch_dir>   # prints `export SLURM_CONF=...` (eval it to use sbatch etc.)
 #
 # Needs root and Debian's `slurmctld slurmd slurm-client munge` (scripts/ci_install_slurm.sh installs them).
 # No systemd, no cgroups, no accounting (sacct is off: use `scontrol show job`, `sbatch --wait`, squeue).
 # The node declares CLUSTER_CPUS CPUs (default 16, more than the cores: SlurmdParameters=config_overrides) so
 # that jobs with more ranks than cores start; the partition has OverSubscribe=FORCE:4.
-# Ports: CLUSTER_CTLD_PORT / CLUSTER_SLURMD_PORT, else two free ports are picked.
+# Ports: CLUSTER_CTLD_PORT / CLUSTER_SLURMD_PORT (one node), else free ports are picked (one per slurmd).
+# Several nodes on one machine: their jobs' processes all run here; a multi-node `mpirun` inside the allocation
+# starts one prted per node through srun, as on a real cluster.
 # cred_expire (CLUSTER_CRED_EXPIRE, default 5 s; Slurm default 120 s) is also how long a requeued job waits
 # before it may start again.
 # Clients need SLURM_CONF=<scratch_dir>/slurm.conf (see `env`).
@@ -37,8 +40,26 @@ write_conf() {
     slurmd_port=${CLUSTER_SLURMD_PORT:-$(free_port)}
     cpus=${CLUSTER_CPUS:-16}
     mkdir -p "$scratch"/{state,spool,log,run}
+    local nodes=${CLUSTER_NODES:-1} node_lines partition_nodes i
+    if (( nodes > 1 )); then
+        node_lines=""
+        for i in $(seq 1 "$nodes"); do
+            mkdir -p "$scratch/spool/n$i"
+            node_lines+="NodeName=n$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus RealMemory=1 State=UNKNOWN"$'\n'
+        done
+        partition_nodes="n[1-$nodes]"
+        slurmd_files="SlurmdSpoolDir=$scratch/spool/%n
+SlurmdPidFile=$scratch/run/slurmd-%n.pid
+SlurmdLogFile=$scratch/log/slurmd-%n.log"
+    else
+        node_lines="NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=1 State=UNKNOWN"
+        partition_nodes=$host
+        slurmd_files="SlurmdSpoolDir=$scratch/spool
+SlurmdPidFile=$scratch/run/slurmd.pid
+SlurmdLogFile=$scratch/log/slurmd.log"
+    fi
     cat >"$conf" <<EOF
-# written by scripts/slurm/cluster.sh: a throwaway one-node cluster
+# written by scripts/slurm/cluster.sh: a throwaway cluster on one machine
 ClusterName=recover
 SlurmctldHost=$host
 SlurmctldPort=$ctld_port
@@ -49,11 +70,9 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$scratch/munge/munge.sock,cred_expire=${CLUSTER_CRED_EXPIRE:-5}
 StateSaveLocation=$scratch/state
-SlurmdSpoolDir=$scratch/spool
 SlurmctldPidFile=$scratch/run/slurmctld.pid
-SlurmdPidFile=$scratch/run/slurmd.pid
 SlurmctldLogFile=$scratch/log/slurmctld.log
-SlurmdLogFile=$scratch/log/slurmd.log
+$slurmd_files
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -72,8 +91,8 @@ MinJobAge=600
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=1 State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+$node_lines
+PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 }
 
@@ -92,12 +111,12 @@ start_munge() {
         --pid-file="$m/log/munged.pid" --log-file="$m/log/munged.log" --seed-file="$m/log/munged.seed"
 }
 
-wait_idle() {
-    local i state
+wait_idle() {  # every node idle (or mixed)
+    local i states want=${CLUSTER_NODES:-1}
     for i in $(seq 1 300); do
-        state=$(sinfo -h -o '%T' 2>/dev/null | head -n1 || true)
-        if [[ $state == idle* || $state == mixed* ]]; then
-            echo "slurm cluster up in $scratch (node $state)"
+        states=$(sinfo -h -N -o '%T' 2>/dev/null || true)
+        if [[ -n $states ]] && (( $(grep -c -E '^(idle|mixed)' <<<"$states") == want )); then
+            echo "slurm cluster up in $scratch ($want node(s): $(tr '\n' ' ' <<<"$states"))"
             return 0
         fi
         sleep 0.1
@@ -123,7 +142,12 @@ cmd_up() {
     write_conf
     start_munge
     slurmctld -f "$conf" -i -c
-    slurmd -f "$conf"
+    local nodes=${CLUSTER_NODES:-1} i
+    if (( nodes > 1 )); then
+        for i in $(seq 1 "$nodes"); do slurmd -f "$conf" -N "n$i"; done
+    else
+        slurmd -f "$conf"
+    fi
     wait_idle
 }
 
@@ -148,17 +172,16 @@ stop_pidfiles() {  # stop_pidfiles <pidfile>...: SIGTERM them all, wait up to 5 
 
 cmd_down() {
     # by the pids in the daemons' own pid files, never by name
-    stop_pidfiles "$scratch/run/slurmd.pid" "$scratch/run/slurmctld.pid" "$scratch/munge/log/munged.pid"
+    stop_pidfiles "$scratch"/run/slurmd*.pid "$scratch/run/slurmctld.pid" "$scratch/munge/log/munged.pid"
     echo "slurm cluster in $scratch down"
 }
 
 cmd_status() {
-    local rc=0 name file
-    for name in munged slurmctld slurmd; do
-        case $name in
-            munged) file=$scratch/munge/log/munged.pid ;;
-            *) file=$scratch/run/$name.pid ;;
-        esac
+    local rc=0 name file slurmds
+    slurmds=("$scratch"/run/slurmd*.pid)
+    [[ -e ${slurmds[0]} ]] || slurmds=("$scratch/run/slurmd.pid")
+    for file in "$scratch/munge/log/munged.pid" "$scratch/run/slurmctld.pid" "${slurmds[@]}"; do
+        name=$(basename "$file" .pid)
         if pid_alive "$file"; then echo "$name: running (pid $(cat "$file"))"; else echo "$name: stopped"; rc=1; fi
     done
     [[ $rc -eq 0 ]] && sinfo

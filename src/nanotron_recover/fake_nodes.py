@@ -93,7 +93,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
+def process_tree(root: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """``root`` and every live descendant."""
+    children = _children() if children is None else children
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -110,11 +112,11 @@ def node_pids(folder: Path, node: str, *, daemon_only: bool = False) -> list[int
     if not pid_file.is_file():
         return []
     children = _children()
-    found = _tree(int(pid_file.read_text().strip()), children)
+    found = process_tree(int(pid_file.read_text().strip()), children)
     if daemon_only:
         daemons = [p for p in found if _comm(p) == "prted"]
         if daemons:
-            return [p for d in daemons for p in _tree(d, children)]
+            return [p for d in daemons for p in process_tree(d, children)]
     return found
 
 
@@ -150,6 +152,12 @@ def kill_node(folder: Path, node: str, timeout_s: float = 10.0) -> list[int]:
     pids = node_pids(folder, node, daemon_only=True)
     if not pids:
         raise ProcessLookupError(f"no live process of fake node {node} under {folder}")
+    return kill_processes(pids, timeout_s, what=node)
+
+
+def kill_processes(pids: Sequence[int], timeout_s: float = 10.0, what: str = "the node") -> list[int]:
+    """SIGSTOP all of ``pids`` (all go silent at once), then SIGKILL them; wait until every one is gone."""
+    pids = list(pids)
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for pid in pids:
             try:
@@ -159,7 +167,7 @@ def kill_node(folder: Path, node: str, timeout_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while any(_alive(p) for p in pids):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"processes of {node} still alive {timeout_s} s after SIGKILL: "
+            raise TimeoutError(f"processes of {what} still alive {timeout_s} s after SIGKILL: "
                                f"{[p for p in pids if _alive(p)]}")
         time.sleep(0.01)
     return pids

@@ -1,0 +1,130 @@
+"""``recover_multi_node.sbatch`` on a real two-node Slurm (two ``slurmd`` on this machine, ``CLUSTER_NODES=2``).
+
+``mpirun`` in the batch script starts one ``prted`` per node through Slurm (``srun``); ranks fill the nodes with
+whole replicas. Node 2's daemon and ranks are SIGKILLed after step 3: the whole job ends (mpirun returns 0), the
+script's outcome helper says "restart" and requeues the job; Slurm starts it again on both nodes (node 2
+"replaced": its slurmd lives on), it resumes from latest.txt, and every step's loss equals the failure-free run's.
+
+Hard timeouts on every wait (job polling, the kill watcher, ``run_training``); needs root and Debian's Slurm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from nanotron_recover.fake_nodes import kill_processes, process_tree
+from nanotron_recover.metrics import read_metrics_jsonl
+from nanotron_recover.runs import read_metrics, run_training, write_config
+from tests.conftest import make_tiny_config
+from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, needs_slurm
+
+MULTI_NODE = REPO / "scripts" / "slurm" / "recover_multi_node.sbatch"
+STEPS = 8
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Cluster]:
+    scratch = Path(tempfile.mkdtemp(prefix="recover-slurm2-", dir="/tmp"))
+    env = {**os.environ, "CLUSTER_NODES": "2"}
+    try:
+        subprocess.run(["bash", str(CLUSTER), "up", str(scratch)], check=True, timeout=60, env=env)
+        yield Cluster(scratch)
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "down", str(scratch)], timeout=60, env=env)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    except OSError:
+        return {}
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def slurm_node_daemons(node: str) -> list[int]:
+    """The ``prted`` processes that Slurm started on ``node`` (by ``SLURMD_NODENAME`` in their environment)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _comm(int(p)) == "prted"
+            and _environ(int(p)).get(b"SLURMD_NODENAME") == node.encode()]
+
+
+def ranks_by_node() -> dict[str, list[int]]:
+    """World ranks of the running job, by the Slurm node whose daemon started them."""
+    out: dict[str, list[int]] = {}
+    for node in ("n1", "n2"):
+        for daemon in slurm_node_daemons(node):
+            for pid in process_tree(daemon):
+                rank = _environ(pid).get(b"OMPI_COMM_WORLD_RANK")
+                if rank is not None:
+                    out.setdefault(node, []).append(int(rank))
+    return {n: sorted(set(r)) for n, r in out.items()}
+
+
+@needs_slurm
+@pytest.mark.timeout(420)
+def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_trajectory(two_nodes, tmp_path):
+    # 2 replicas x TP2 on 2 nodes x 2 task slots; checkpoints every 2 steps
+    config = make_tiny_config(dp=2, tp=2, steps=STEPS, accumulation=2, layers=2, checkpoint_interval=2,
+                              fault_tolerance={"enabled": True})
+    config_path = write_config(config, tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",
+                   # both "nodes" are this machine: TCP between them (no shared memory), over loopback
+                   MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo")
+    job = two_nodes.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])
+
+    placement, killed_at, deadline = {}, None, time.monotonic() + 200
+    while time.monotonic() < deadline and killed_at is None:
+        steps, _ = read_metrics(run_dir)
+        if steps and steps[-1]["step"] >= 3:
+            placement = ranks_by_node()
+            daemons = slurm_node_daemons("n2")
+            kill_processes([p for d in daemons for p in process_tree(d)])  # node 2: its prted and its ranks
+            killed_at = time.time()
+        elif two_nodes.job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(0.05)
+    assert killed_at is not None, (two_nodes.job(job), log.read_text(errors="replace")[-4000:] if log.exists() else "")
+    assert placement == {"n1": [0, 1], "n2": [2, 3]}, placement  # whole replicas per node
+
+    reference: dict = {}
+    thread = threading.Thread(target=lambda: reference.update(result=run_training(
+        config, tmp_path / "reference", timeout_s=150, extra_args=["--synthetic-data"])), daemon=True)
+    thread.start()  # while the job waits to be requeued
+    info = two_nodes.wait(job, timeout_s=240)
+    thread.join(timeout=160)
+    output = log.read_text(errors="replace") if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert info["Restarts"] == "1", (info, output[-4000:])
+    assert "lost communication with a remote daemon" in output or "failed to report back" in output, output[-4000:]
+    assert "mpirun rc 0 -> restart" in output and "requeueing job" in output, output[-4000:]
+
+    records = [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    after = [r for r in records if r["time"] > killed_at + 1]  # logged by the requeued job
+    resumed = after[0]["step"] - 1
+    lost = max(r["step"] for r in records if r["time"] <= killed_at + 1) - resumed
+    assert 0 <= lost <= 2 and after[-1]["step"] == STEPS, records  # at most a checkpoint interval
+    want = {s["step"]: s["loss"] for s in reference["result"].steps}
+    for r in records:
+        assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])
+    print(f"\nSlurm, 2 nodes: node 2 lost after step 3; requeued, resumed from step {resumed} ({lost} step(s) "
+          f"lost), training again {after[0]['time'] - killed_at:.1f} s after the loss")

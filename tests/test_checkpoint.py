@@ -68,3 +68,24 @@ def test_a_checkpoint_resumes_only_in_its_own_layout(saved, ft, error, tiny_conf
     else:
         with pytest.raises(ValueError, match=error):
             check_resumable(tmp_path, config)
+
+
+@pytest.mark.parametrize(
+    "saved, dtype, error",
+    [
+        ({}, "float32", None),  # a checkpoint from before the dtype key: a float32 run
+        ({"dtype": "bfloat16"}, "bfloat16", None),
+        ({"dtype": "bfloat16"}, "float32", "trained with model.dtype: bfloat16"),
+        ({}, "bfloat16", "trained with model.dtype: float32"),
+    ],
+)
+def test_a_checkpoint_resumes_only_in_its_own_dtype(saved, dtype, error, tiny_config, tmp_path):
+    raw = tiny_config(dp=2, accumulation=2, fault_tolerance={"enabled": True})
+    raw["model"]["dtype"] = dtype
+    config = config_from_dict(raw)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 4, "microbatches_per_step": 4, **saved}))
+    if error is None:
+        check_resumable(tmp_path, config)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_resumable(tmp_path, config)

@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from nanotron_recover.config import ConfigError, FaultToleranceArgs, config_from_dict, load_config
@@ -148,3 +149,35 @@ def test_invalid_yaml_exits_2_from_both_entry_points(tmp_path: Path, entry: str,
         code = main(["--config-file", str(bad), "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and f"{bad}:1:5" in err
+
+
+def _precision_config(dtype: str, *, ft: bool, fp32_accumulation: bool = True):
+    raw = with_ft(enabled=True) if ft else stock_dict()
+    raw["model"]["dtype"] = dtype
+    raw["optimizer"]["accumulate_grad_in_fp32"] = fp32_accumulation
+    raw["data"] = {"dataset": None, "seed": 1}
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize("ft", [True, False])
+def test_bfloat16_is_trained_as_asked_on_both_paths(ft):
+    from nanotron_recover.preflight import check_runtime_inputs
+
+    config = _precision_config("bfloat16", ft=ft)
+    check_runtime_inputs(config)
+    assert config.model.dtype == torch.bfloat16  # no longer forced to float32 without CUDA
+
+
+def test_bfloat16_without_fp32_accumulation_is_refused_with_fault_tolerance_only():
+    from nanotron_recover.preflight import check_runtime_inputs
+
+    with pytest.raises(ConfigError, match="accumulate_grad_in_fp32: false is not supported with fault_tolerance"):
+        check_runtime_inputs(_precision_config("bfloat16", ft=True, fp32_accumulation=False))
+    check_runtime_inputs(_precision_config("bfloat16", ft=False, fp32_accumulation=False))  # stock nanotron's mode
+
+
+def test_float16_is_refused_before_launch():
+    from nanotron_recover.preflight import check_runtime_inputs
+
+    with pytest.raises(ConfigError, match="model.dtype: torch.float16 is not supported"):
+        check_runtime_inputs(_precision_config("float16", ft=False))

@@ -110,10 +110,21 @@ def layout_state(config: RecoverConfig) -> dict:
     return {"layout": LAYOUT_NANOTRON}
 
 
+def dtype_name(config: RecoverConfig) -> str:
+    return str(config.model.dtype).removeprefix("torch.")
+
+
 def check_resumable(source: Path, config: RecoverConfig) -> None:
-    """Same M, and a layout this run reads: nanotron (3D replicas) or HSDP shards of the same shard size."""
+    """Same M, the same model dtype (a bf16 checkpoint holds fp32 masters, a float32 one does not), and a layout
+    this run reads: nanotron (3D replicas) or HSDP shards of the same shard size."""
     check_same_microbatches(source, config.microbatches_per_step)
     saved = json.loads((source / STATE_FILE).read_text())
+    saved_dtype = saved.get("dtype", "float32")  # older checkpoints: float32 runs
+    if saved_dtype != dtype_name(config):
+        raise ValueError(
+            f"{source} was trained with model.dtype: {saved_dtype}, this run has {dtype_name(config)}: "
+            "resume with the same dtype"
+        )
     saved_layout = {"layout": saved.get("layout", LAYOUT_NANOTRON), "fsdp_shard_size": saved.get("fsdp_shard_size")}
     wanted = {"fsdp_shard_size": None, **layout_state(config)}
     if saved_layout != wanted:
@@ -179,7 +190,13 @@ class CheckpointManager:
         if not publisher:
             return
         _fsync_tree(tmp)
-        state = {"step": step, "microbatches_per_step": trainer.M, **layout_state(self.config), **(extra_state or {})}
+        state = {
+            "step": step,
+            "microbatches_per_step": trainer.M,
+            "dtype": dtype_name(self.config),
+            **layout_state(self.config),
+            **(extra_state or {}),
+        }
         write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)

@@ -137,6 +137,11 @@ class DataParallelStrategy(ABC):
     def progress(self, step: int, phase: str) -> None:
         """The main thread reached ``phase`` of ``step`` (for hang detection)."""
 
+    def parameter_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the model's parameters are stored in (nanotron: the compute dtype; FSDP2 mixed precision keeps
+        fp32 sharded parameters and casts to the compute dtype when it gathers them)."""
+        return compute_dtype
+
     def computes(self) -> bool:
         """Whether this rank computes microbatches (an idle spare does not)."""
         return True

@@ -28,6 +28,7 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.inject import INJECTED_DIR, FailureInjector
+from nanotron_recover.memory import training_state_bytes
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
@@ -63,7 +64,7 @@ class RecoverTrainer:
             config.model.model_config,
             parallel_context=self.parallel_context,
             parallel_config=config.parallelism,
-            dtype=config.model.dtype,
+            dtype=self.dp.parameter_dtype(config.model.dtype),
             device=self.device,
         )
         init_weights(self.model, std=_init_std(config), seed=config.general.seed)
@@ -166,6 +167,7 @@ class RecoverTrainer:
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
         self.step = self.checkpoints.maybe_resume(self)
+        first_step = self.step + 1
         self.injector.maybe_fail(0, "startup:checkpoint_load")
         self.dp.startup_complete()  # every rank ready: from here on a fault is recovered, not a restart
         total = self.config.tokens.train_steps
@@ -177,11 +179,19 @@ class RecoverTrainer:
             elapsed = time.perf_counter() - t0
             self.step = step
             self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
+            if step == first_step:
+                self._log_training_state(step)  # after the first optimizer step: Adam's state exists
             if self.checkpoints.due(step):
                 self._at("checkpoint")
                 self.save_checkpoint(step)
         self.dp.finish(self.step, self.services)
         self.metrics.close()
+
+    def _log_training_state(self, step: int) -> None:
+        """Bytes of training state per parameter on the logging rank (``benchmarks/precision_bench.py``)."""
+        if self.metrics.enabled:
+            state = training_state_bytes(self.named_params, self.optimizer, getattr(self.dp, "buckets", None))
+            self.metrics.log_event({"event": "training_state", "step": step, "dtype": str(self.config.model.dtype), **state})
 
     def train_step(self, step: int) -> CommittedStep:
         self._current_step = step

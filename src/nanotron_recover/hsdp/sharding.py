@@ -13,22 +13,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as torch_dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from nanotron_recover import devices
 
 
-def shard_replica_model(model: torch.nn.Module, group: torch_dist.ProcessGroup) -> torch.nn.Module:
+def shard_replica_model(
+    model: torch.nn.Module, group: torch_dist.ProcessGroup, compute_dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root (embedding, final norm, LM head), over ``group``.
+
+    ``compute_dtype`` below fp32: FSDP2 mixed precision: the sharded parameters stay fp32 (they are the optimizer's
+    master weights), forward/backward run on parameters gathered in ``compute_dtype``, and gradients are
+    reduce-scattered in fp32 (nanotron's recipe: fp32 accumulation and reduction).
 
     Parameters are replaced by sharded ``DTensor`` parameters (dim 0 split over the group), in place: ``model``
     is returned for convenience. Gradients are reduce-scattered with a plain SUM (no 1/F averaging: the loss
     scaling already accounts for the row split), which gloo supports.
     """
     mesh = DeviceMesh.from_group(group, device_type=devices.compute_device().type)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+    )
     for block in model.model.decoder:
-        fully_shard(block.pp_block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block.pp_block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():  # the setting is per FSDP unit, not inherited from the root
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)

@@ -2,7 +2,8 @@
 
 Only what differs from :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel` is here: the replica's
 nanotron context (dp = F inside it), the sharding of the model, the row split, the loss scaling 1/(M F), the clip
-of a sharded gradient and the checkpoint layout. Planning, buckets, snapshots, recovery, spares (state copied
+of a sharded gradient and the checkpoint layout. bf16: FSDP2's mixed precision (fp32 sharded parameters = masters,
+bf16 gathered parameters for compute, gradients reduce-scattered in fp32 into the same fp32 buckets). Planning, buckets, snapshots, recovery, spares (state copied
 shard by shard: coordinate = shard index) and the commit are inherited unchanged.
 """
 
@@ -34,10 +35,14 @@ class ShardedReplicaDataParallel(ResilientDataParallel):
     def _reports_loss(self) -> bool:
         return True  # every shard computes the loss of its own rows
 
+    def parameter_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """fp32: the sharded parameters are the optimizer's masters; FSDP2 gathers them in ``compute_dtype``."""
+        return torch.float32
+
     def attach_model(self, model, named_params, device) -> AttachedModel:
         """Shard the freshly initialised model (every replica holds the same full weights before), then lay the
         gradient shards into the flat buckets."""
-        shard_replica_model(model, self.parallel_context.dp_pg)
+        shard_replica_model(model, self.parallel_context.dp_pg, compute_dtype=self.config.model.dtype)
         sharded = list(model.named_parameters())  # now the sharded DTensor parameters
         return super().attach_model(model, sharded, device)
 

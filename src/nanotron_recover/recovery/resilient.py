@@ -367,14 +367,15 @@ def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
     """Broadcast one tensor in place from ``donor``'s rank of this coordinate (CUDA tensors via a host copy).
 
     Coordinates match shard for shard: a rank of an FSDP replica receives its own shard from the donor replica's
-    rank of the same shard index."""
+    rank of the same shard index. A bf16 tensor travels as its raw 16-bit words (numpy has no bfloat16)."""
     tensor = local_tensor(tensor.detach())  # a sharded (FSDP) tensor: this rank's shard
-    if needs_host_staging(tensor.device):
-        host = tensor.cpu()
-        ft.bcast_(host.view(-1).numpy(), root_replica=donor, comm="coord")
+    host = tensor.cpu() if needs_host_staging(tensor.device) else tensor  # zero-copy on CPU
+    words = host.view(-1)
+    if words.dtype == torch.bfloat16:
+        words = words.view(torch.int16)
+    ft.bcast_(words.numpy(), root_replica=donor, comm="coord")
+    if host is not tensor:
         tensor.copy_(host)
-    else:
-        ft.bcast_(tensor.view(-1).numpy(), root_replica=donor, comm="coord")  # zero-copy
 
 
 def _state_tensors(state: TrainingState) -> Iterator[torch.Tensor]:

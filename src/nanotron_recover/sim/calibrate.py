@@ -14,7 +14,8 @@ What is read, and from where (every value comes back with its source in :attr:`C
 * checkpoint save: the gap between a checkpoint step's record and the next step's start;
 * startup / restart: a run folder's ``config.yaml`` modification time (written by ``runs.run_training`` right
   before the launch) -> the first step's start; a folder whose first step is > 1 resumed: a restart;
-* exit: the last record -> the folder's ``output.log`` modification time (written when the job is gone).
+* exit: the last record -> the folder's ``output.log`` modification time (written when the job is gone); not
+  from a folder whose last step saved a checkpoint (the save would count as exit).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def from_run_dirs(dirs: Sequence[str | Path], devices: int | None = None) -> Cal
             if cur["time"] - cur["step_time_s"] > prev["time"] + 1.0 and cur["step"] <= prev["step"] + 1 \
                     and any(e.get("event") == "stopped" and prev["time"] <= e["time"] <= cur["time"] for e in events):
                 restarts.append(cur["time"] - cur["step_time_s"] - prev["time"])
-        if (d / "output.log").is_file():
+        if (d / "output.log").is_file() and steps[-1]["step"] not in {int(f.name) for f in folders}:
             exits.append((d / "output.log").stat().st_mtime - max(r["time"] for r in steps + events))
         if state_mb:
             cal.set("state_gb_per_rank", state_mb / 1024, f"newest checkpoint of {d.name} / {rpr} ranks")

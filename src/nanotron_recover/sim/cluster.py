@@ -66,3 +66,8 @@ class Cluster:
         layout = f"FSDP{self.fsdp}" if self.fsdp > 1 else f"TP{self.tp} x PP{self.pp}"
         return (f"{self.gpus} GPUs ({self.nodes} nodes of {self.gpus_per_node}), replicas of {layout} = "
                 f"{self.ranks_per_replica} ranks: {self.replicas} training + {self.spare_replicas} spare")
+
+    def with_spares(self, spare_replicas: int) -> "Cluster":
+        from dataclasses import replace
+
+        return replace(self, spare_replicas=spare_replicas)

@@ -116,7 +116,8 @@ def node_pids(folder: Path, node: str, *, daemon_only: bool = False) -> list[int
     if daemon_only:
         daemons = [p for p in found if _comm(p) == "prted"]
         if daemons:
-            return [p for d in daemons for p in process_tree(d, children)]
+            # a prted forks a prted of its own: each process once
+            return list(dict.fromkeys(p for d in daemons for p in process_tree(d, children)))
     return found
 
 

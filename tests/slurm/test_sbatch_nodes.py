@@ -98,7 +98,7 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
         if steps and steps[-1]["step"] >= 3:
             placement = ranks_by_node()
             daemons = slurm_node_daemons("n2")
-            kill_processes([p for d in daemons for p in process_tree(d)])  # node 2: its prted and its ranks
+            kill_processes(dict.fromkeys(p for d in daemons for p in process_tree(d)))  # node 2: its prted and its ranks
             killed_at = time.time()
         elif two_nodes.job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
             break

@@ -53,20 +53,19 @@ def _coerce(p: Params, name: str, text: str) -> Any:
 
 def build_params(args: argparse.Namespace) -> tuple[Params, list[str]]:
     """Defaults, then the calibration from our runs, then the user's overrides; notes to print."""
+    from nanotron_recover.sim.calibrate import from_benchmark_json, from_run_dirs
+
     p, notes = Params(), []
+    dirs = [src for src in args.calibrate if Path(src).suffix != ".json"]
     for src in args.calibrate:
-        path = Path(src)
-        if path.suffix == ".json":
-            from nanotron_recover.sim.calibrate import from_benchmark_json
-
-            stock, rec, _ = from_benchmark_json(path)
+        if Path(src).suffix == ".json":
+            stock, rec, _ = from_benchmark_json(src)
             p = rec.apply(stock.apply(p))
-        else:
-            from nanotron_recover.sim.calibrate import from_run_dirs
-
-            p = from_run_dirs([path], devices=None).apply(p)
-        notes.append(f"calibrated from {src}: step times, startup and restart are those of that machine and model;"
-                     " --set mb_s=/base_s=/restart_fixed_s= for yours")
+    if dirs:  # pooled: every folder's records in one fit
+        p = from_run_dirs(dirs, devices=None).apply(p)
+    if args.calibrate:
+        notes.append(f"calibrated from {', '.join(args.calibrate)}: step times, startup and restart are those of "
+                     "that machine and model; --set mb_s=/base_s=/restart_fixed_s= for yours")
     if p.devices is not None:  # a CPU-calibrated shared-device model does not carry over to GPUs
         p = p.with_("plan: one GPU per process", devices=None)
     if args.mttf_hours is not None:

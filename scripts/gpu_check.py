@@ -4,7 +4,8 @@
 
 Checks the parts that differ on GPU: flat fp32 gradient buckets on CUDA with pinned host staging for MPI,
 snapshot/restore of CUDA buckets, and (HSDP) FSDP2 on NCCL accumulating its reduce-scattered gradient shards into
-the CUDA buckets across two backward passes (a one-rank NCCL world). A training run on GPU uses the same launcher
+the CUDA buckets across two backward passes (a one-rank NCCL world), and bf16 parameters with fp32 masters on
+CUDA (nanotron's mixed-precision recipe on the buckets). A training run on GPU uses the same launcher
 (`nanotron-recover train --config-file ...`: NCCL inside each replica, host-staged ULFM across replicas).
 """
 
@@ -71,11 +72,40 @@ def check_cuda_fsdp_buckets() -> None:
         torch_dist.destroy_process_group()
 
 
+def check_cuda_bf16_masters() -> None:
+    """bf16 parameters on CUDA: fp32 accumulation into the CUDA buckets, AdamW on fp32 CUDA masters, bf16 refreshed."""
+    from nanotron.optim.named_optimizer import NamedOptimizer
+    from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
+
+    from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).cuda().bfloat16()
+    named = list(model.named_parameters())
+    GradBuckets(named, 0.001, "cuda")
+    optimizer = OptimizerFromGradientAccumulator(
+        gradient_accumulator_builder=BucketFP32GradientAccumulator,
+        named_params_or_groups=named,
+        optimizer_builder=lambda groups: NamedOptimizer(
+            named_params_or_groups=groups, optimizer_builder=lambda g: torch.optim.AdamW(g, lr=1e-2, fused=True)
+        ),
+    )
+    for _ in range(2):
+        model(torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    assert all(p.grad is None and p.main_grad.dtype == torch.float32 and p.main_grad.is_cuda for _, p in named)
+    optimizer.step()
+    acc = optimizer.gradient_accumulator
+    for name, p in named:
+        master = acc.get_parameter_for_optimizer(name)
+        assert master.is_cuda and master.dtype == torch.float32
+        assert torch.equal(p, master.to(torch.bfloat16)), "bf16 copy refreshed from the fp32 master"
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
         return 2
-    for check in (check_cuda_buckets, check_cuda_fsdp_buckets):
+    for check in (check_cuda_buckets, check_cuda_fsdp_buckets, check_cuda_bf16_masters):
         check()
         print(f"ok {check.__name__}")
     return 0

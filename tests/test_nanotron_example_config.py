@@ -67,8 +67,11 @@ def assert_trained_in(dtype: str, run_dir: Path) -> None:
     assert stored == {getattr(torch, dtype)}
 
 
-def test_the_example_config_trains_on_the_stock_path_in_bf16(tmp_path):
-    result = train(example(fault_tolerance=False), tmp_path)
+@pytest.mark.parametrize("fp32_accumulation", [True, False])
+def test_the_example_config_trains_on_the_stock_path_in_bf16(fp32_accumulation, tmp_path):
+    config = example(fault_tolerance=False)
+    config["optimizer"]["accumulate_grad_in_fp32"] = fp32_accumulation
+    result = train(config, tmp_path)
     assert [s["step"] for s in result.steps] == list(range(1, example()["tokens"]["train_steps"] + 1))
     assert not result.events_of("repair")
     assert_trained_in("bfloat16", tmp_path)

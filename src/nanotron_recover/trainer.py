@@ -111,7 +111,8 @@ class RecoverTrainer:
                 fused=fused,
             )
 
-        if not has_low_precision_params(self.named_params):
+        if not (has_low_precision_params(self.named_params) and args.accumulate_grad_in_fp32):
+            # fp32, or bf16 without fp32 accumulation (stock path only, as nanotron: AdamW on the bf16 parameters)
             return NamedOptimizer(named_params_or_groups=self.named_params, optimizer_builder=adamw)
         return OptimizerFromGradientAccumulator(
             gradient_accumulator_builder=BucketFP32GradientAccumulator,

@@ -268,7 +268,8 @@ def from_benchmark_json(path: str | Path) -> tuple[Calibration, Calibration, Ben
         for a, ts in zip(r["attempts"], _attempt_steps(r)):
             if ts:
                 launches.append((a["n_procs"], ts[0] - step - a["launch_t"]))
-                if a["returncode"] == 0 and not a["kills"]:
+                in_place = not r["name"].startswith("ckpt")  # an in-place run's kills do not end its job
+                if a["returncode"] == 0 and (in_place or not a["kills"]):
                     (exits_after_failure if had_failure and not r["name"].startswith("ckpt") else clean_exits
                      ).append((a["n_procs"], a["end_t"] - ts[-1]))
 

@@ -53,3 +53,30 @@ def predict_benchmark(stock: Calibration, rec: Calibration, sched: BenchmarkSche
 
 def predict_benchmark_json(path: str | Path) -> BenchmarkPrediction:
     return predict_benchmark(*from_benchmark_json(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nanotron_recover.sim.validate MEASURED.json [--costs-from OTHER.json]``: the prediction of a
+    measured comparison, from its own costs or from another run's (its schedule kept)."""
+    import argparse
+    import dataclasses
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("measured")
+    ap.add_argument("--costs-from", help="calibrate from this benchmark JSON instead (out-of-sample)")
+    args = ap.parse_args(argv)
+    stock, rec, sched = from_benchmark_json(args.measured)
+    if args.costs_from:
+        stock, rec, other = from_benchmark_json(args.costs_from)
+        sched = dataclasses.replace(sched, devices=other.devices)
+    pred = predict_benchmark(stock, rec, sched)
+    for r in (pred.recover, pred.ckpt_restart):
+        print(f"{r.policy}: wall {r.wall_s:.1f} s, process-s {r.process_s:.1f}, tokens {r.tokens:.0f}, "
+              f"{r.effective_throughput:.1f} tokens/process-s")
+    print(f"predicted={pred.predicted_ratio:.3f} measured={pred.measured_ratio:.3f} "
+          f"error={pred.relative_error:+.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

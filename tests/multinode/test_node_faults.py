@@ -171,12 +171,18 @@ def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(t
     assert f"at step {ckpt1}" in out, out[-4000:]  # "resumed from .../checkpoints/<ckpt1> at step <ckpt1>"
     second = [s for s in read_metrics(run_dir)[0] if s["time"] >= relaunched]
     assert second[0]["step"] == ckpt1 + 1, second[:2]
-    assert all(s["live_replicas"] == 2 and s["microbatches"] == 6 for s in second), second
+    assert all(s["microbatches"] == 6 for s in second), second
+    # 2 replicas until node 2 is lost; the survivor may still repair and commit a step alone before the teardown
+    assert all(s["live_replicas"] == 2 for s in second if s["time"] <= lost2_at), second
+    assert all(s["live_replicas"] in (1, 2) for s in second), second
     again1 = second[0]["time"] - lost_at
     ckpt2 = latest_checkpoint_step(run_dir)
     lost2 = second[-1]["step"] - ckpt2
     assert ckpt2 is not None and 0 <= lost2 <= INTERVAL, (ckpt2, second[-1])
-    report.append(f"node 3 lost after step {first_steps[-1]['step']}: resumed from {ckpt1} on 2 nodes, "
+    # steps the survivors still repaired and committed after a loss, before PRRTE's teardown reached them
+    raced = [s["step"] for s in first_steps if s["time"] > lost_at] + [s["step"] for s in second if s["time"] > lost2_at]
+    before = lambda steps, t: max(s["step"] for s in steps if s["time"] <= t)  # noqa: E731 - last step before t
+    report.append(f"node 3 lost after step {before(first_steps, lost_at)}: resumed from {ckpt1} on 2 nodes, "
                   f"{lost1} step(s) lost, training again {again1:.1f} s after the loss")
 
     # --- relaunch at full size (the nodes replaced): 3 replicas again, to the end
@@ -189,7 +195,7 @@ def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(t
     assert third and third[0]["step"] == ckpt2 + 1 and third[-1]["step"] == NODE_STEPS, final.output[-4000:]
     assert all(s["live_replicas"] == 3 and s["microbatches"] == 6 for s in third), third
     again2 = third[0]["time"] - lost2_at
-    report.append(f"node 2 lost after step {second[-1]['step']}: resumed from {ckpt2} at full size, "
+    report.append(f"node 2 lost after step {before(second, lost2_at)}: resumed from {ckpt2} at full size, "
                   f"{lost2} step(s) lost, training again {again2:.1f} s after the loss")
     assert run_outcome(run_dir, NODE_STEPS, final.returncode)[0] == "done"
 
@@ -199,7 +205,8 @@ def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(t
     assert max(diffs) <= TOL, [(r["step"], r["loss"], want[r["step"]]) for r in records]
     assert sorted({r["step"] for r in records}) == list(range(1, NODE_STEPS + 1))
     print("\n" + "\n".join(report) + f"\nmax |dloss| vs failure-free over {len(records)} step records "
-          f"{max(diffs):.1e}; failure-free run {reference.wall_s:.1f} s")
+          f"{max(diffs):.1e}; steps the survivors committed in-step before the teardown: {raced}; "
+          f"failure-free run {reference.wall_s:.1f} s")
 
 
 def _all_step_records(run_dir: Path) -> list[dict]:

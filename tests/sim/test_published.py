@@ -2,7 +2,6 @@
 2410.21680's anchors), the simulator gives their 44% (checkpoint-restart, ~10 min stall per failure) and 80%
 (replica-level fault tolerance, 3 min stall) within 10 points."""
 
-import pytest
 
 from nanotron_recover.sim.published import FTHSDP, ft_hsdp_scenario
 

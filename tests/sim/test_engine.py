@@ -121,3 +121,18 @@ def test_the_same_seed_gives_every_policy_the_same_failure_stream():
     b = simulate(c, P.shrinking(None), p.with_(rejoin_s=1.0), horizon_s=86400.0, seed=3, log_events=True)
     assert a.failures > 10
     assert [t for t, _ in a.events][:3] == pytest.approx([t for t, _ in b.events][:3])
+
+
+def test_without_replacement_a_relaunch_regains_only_repaired_hardware():
+    """replacement off (the scheduler gives back only what is healthy): a requeue below min_replicas restarts on
+    the survivors, and a repaired slot comes back at the next relaunch after its repair."""
+    c = Cluster(4)
+    sched = [ScheduledFailure(2.5, (3,)), ScheduledFailure(4.5, (2,))]
+    kw = dict(target_steps=10, scheduled=sched, random_failures=False)
+    pol = P.recover(None, min_replicas=3)  # requeue on the second loss
+    never = simulate(c, pol, GPU.with_(replacement=False, hw_repair_hours=1e9), **kw)
+    quick = simulate(c, pol, GPU.with_(replacement=False, hw_repair_hours=1 / 3600), **kw)
+    assert never.requeues == quick.requeues == 1
+    # never repaired: the relaunch has 2 replicas (quota 4: 4 s steps); repaired within 1 s: 4 again (2 s steps)
+    assert never.wall_s > quick.wall_s + 5 * 1.5
+    assert never.tokens == quick.tokens == 10 * 8 * 10  # M kept either way

@@ -104,7 +104,7 @@ class _Run:
         self.ckpt_progress, self.ckpt_tokens = 0.0, 0.0
         self.next_ckpt = float(policy.checkpoint_interval) if policy.checkpoint_interval else math.inf
         self.scheduled = sorted(scheduled, key=lambda f: f.step)
-        self.failed_slots: set[int] = set()  # never back in this job (scheduled: never again at all)
+        self.failed_slots: dict[int, float] = {}  # slot -> when its hardware is repaired (never back in this job)
         self.generation = 0
         self.rejoins: list[tuple[float, int, int]] = []  # (time, generation, slot)
         self.pending: deque[list] = deque()  # [kind, remaining_s, processes]
@@ -124,7 +124,8 @@ class _Run:
     def _full_job(self) -> None:
         """A (re)launched job: every slot not lost for good (replacement) or only the healthy ones."""
         if self.p.replacement:
-            self.failed_slots = set()
+            self.failed_slots = {}
+        self.failed_slots = {s: t for s, t in self.failed_slots.items() if t > self.t + _EPS}  # repaired: usable
         usable = [s for s in range(self.c.slots) if s not in self.failed_slots]
         n_spares = min(self.pol.spare_replicas, max(0, len(usable) - 1))
         self.active = set(usable[: len(usable) - n_spares])
@@ -201,6 +202,9 @@ class _Run:
             return self.c.slots * self.c.ranks_per_replica
         return sum(1 for s in range(self.c.slots) if s not in self.failed_slots) * self.c.ranks_per_replica
 
+    def _lose(self, slot: int) -> None:
+        self.failed_slots[slot] = self.t + self.p.hw_repair_hours * 3600.0
+
     def _next_ckpt_after(self, progress: float) -> float:
         k = self.pol.checkpoint_interval
         return (math.floor(progress / k + _EPS) + 1) * k if k else math.inf
@@ -229,7 +233,8 @@ class _Run:
         dead_procs = self.c.gpus_per_node if node else len(slots)
         if not self.pol.in_place or (node and self.pol.node_loss_ends_job):
             if not self.p.replacement:
-                self.failed_slots.update(slots)
+                for s in slots:
+                    self._lose(s)
             self._crash(dead_procs)
             return
         # in place: the replicas leave, the survivors repair in-step
@@ -242,7 +247,7 @@ class _Run:
         q_before = self.quota()
         for s in lost_active:
             self.active.discard(s)
-            self.failed_slots.add(s)
+            self._lose(s)
             if self.pol.rejoin:
                 heapq.heappush(self.rejoins, (self.t + self.p.rejoin_s, self.generation, s))
         for s in lost_active:
@@ -327,7 +332,7 @@ def simulate(
         elif what == "rejoin":
             _, gen, slot = heapq.heappop(run.rejoins)
             if gen == run.generation and slot in run.failed_slots and not run.done:
-                run.failed_slots.discard(slot)
+                del run.failed_slots[slot]
                 run.active.add(slot)
         elif what == "phase":
             run._phase_done()

@@ -89,6 +89,7 @@ class Params:
     #                                    # (a failure during a restart is found when that restart completes);
     #                                    # reset: the stall restarts from the new failure
     replacement: bool = True  # a relaunch gets a full-size allocation (the scheduler swaps failed nodes)
+    hw_repair_hours: float = 8.0  # replacement off: a failed GPU / node is usable again after this long
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def with_(self, source: str | None = None, **changes: Any) -> "Params":

@@ -39,7 +39,7 @@ def benchmark_params(cal: Calibration, sched: BenchmarkSchedule) -> Params:
     """Our benchmarks' conditions: SIGKILLs only (no hangs, no node losses), the job's own processes."""
     base = Params().with_("benchmark schedule", accumulation=sched.accumulation,
                           tokens_per_microbatch=sched.tokens_per_microbatch, hang_fraction=0.0, node_fraction=0.0,
-                          replacement=sched.baseline.endswith("_B"))
+                          replacement=sched.baseline.endswith("_B"), hw_repair_hours=float("inf"))
     return cal.apply(base)
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install Debian's Slurm + munge for tests/slurm (a throwaway one-node cluster, see scripts/slurm/cluster.sh).
+# Install Debian's Slurm + munge for tests/slurm (a throwaway cluster of one or more nodes on this machine, see
+# scripts/slurm/cluster.sh).
 # Idempotent and quiet; needs root (CI runs as root on a fresh Debian machine). No daemon is started here.
 set -euo pipefail
 packages=(slurmctld slurmd slurm-client munge)

@@ -134,3 +134,16 @@ def test_the_fake_ssh_agent_runs_a_node_here_and_kill_node_ends_its_whole_tree(t
         if node.poll() is None:
             node.kill()
             node.wait(timeout=20)
+
+
+def test_the_sbatch_helper_warns_when_slurm_tasks_per_node_split_a_replica(tmp_path, tiny_config):
+    import os
+    import sys
+
+    config = _config(tmp_path, tiny_config, dp=3, tp=2)
+    helper = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "recover_job.py"
+    for tasks, split in (("3(x2)", True), ("2(x3)", False)):
+        out = subprocess.run([sys.executable, str(helper), "info", "--config-file", str(config)], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "SLURM_TASKS_PER_NODE": tasks})
+        assert out.returncode == 0 and "RECOVER_WORLD_SIZE=6" in out.stdout, out.stderr
+        assert ("replica 1 on node 0+node 1" in out.stderr) == split, out.stderr

@@ -212,6 +212,11 @@ class CheckpointManager:
             return found
         return self.latest()
 
+    def source_step(self) -> int | None:
+        """The step of the checkpoint :meth:`maybe_resume` would load (None: it would start from scratch)."""
+        source = self.resume_source()
+        return None if source is None else int(json.loads((source / STATE_FILE).read_text())["step"])
+
     def maybe_resume(self, trainer: "TrainingState") -> int:
         """Load model, optimizer and LR scheduler from the resume source; return the step to continue after."""
         source = self.resume_source()

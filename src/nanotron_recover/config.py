@@ -55,6 +55,13 @@ class FaultToleranceArgs:
             ``fsdp`` (HSDP): ``fsdp_shard_size`` ranks that shard parameters, gradients and optimizer state with
             torch FSDP2 (tp = pp = 1); each microbatch's rows are split over them.
         fsdp_shard_size: ranks per replica in ``fsdp`` mode (F); world = (dp + spare_replicas) x F.
+        local_snapshot_interval: every this many committed steps each rank writes its state to node-local
+            memory-backed storage, so that a relaunch (node loss, too few replicas) continues from the newest
+            committed step instead of the last disk checkpoint (:mod:`nanotron_recover.recovery.local_snapshot`).
+            0 turns it off.
+        local_snapshot_dir: where (``/dev/shm`` by default: memory); one folder per run and node inside it.
+        local_snapshot_max_gb: the most the snapshots of one node may take (two copies per rank); None: half the
+            free space of ``local_snapshot_dir``. Checked before launch.
     """
 
     enabled: bool = True
@@ -68,6 +75,9 @@ class FaultToleranceArgs:
     startup_timeout_s: float = 600.0
     replica: str = REPLICA_3D
     fsdp_shard_size: Optional[int] = None
+    local_snapshot_interval: int = 1
+    local_snapshot_dir: str = "/dev/shm/nanotron-recover"
+    local_snapshot_max_gb: Optional[float] = None
 
 
 @dataclass
@@ -216,6 +226,10 @@ def validate(config: RecoverConfig) -> None:
            f"must be >= 1 second (or null for the default), got {ft.hang_timeout_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")
+    _check(ft.local_snapshot_interval >= 0, "fault_tolerance.local_snapshot_interval",
+           f"must be >= 0 (0: off), got {ft.local_snapshot_interval}")
+    _check(ft.local_snapshot_max_gb is None or ft.local_snapshot_max_gb > 0, "fault_tolerance.local_snapshot_max_gb",
+           f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)
     for i, inj in enumerate(ft.inject):
         key = f"fault_tolerance.inject[{i}]"

@@ -42,6 +42,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 host=$1
+export NANOTRON_RECOVER_NODE_NAME="$host"  # the ranks' node name (node-local snapshots)
 shift
 echo $$ > "$(dirname "$0")/$host.pid"
 exec bash -c "$*"

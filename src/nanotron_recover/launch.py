@@ -111,6 +111,10 @@ def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig",
         # stock layout: one torch world, rendezvous as torchrun would do it
         env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(_free_port()))
     hostfile = os.environ.get(HOSTFILE_ENV)
+    slots = hostfile_slots(hostfile) if hostfile and Path(hostfile).is_file() else None
+    from nanotron_recover.preflight import check_local_snapshot_budget
+
+    check_local_snapshot_budget(config, min(config.world_size, max(slots[1])) if slots else config.world_size, run_dir)
     extra = shlex.split(os.environ.get(MPIRUN_ARGS_ENV, ""))
     cmd = mpirun_command(config.world_size, program, ulfm=config.ft_enabled, env=env, hostfile=hostfile,
                          extra_args=extra)

@@ -53,3 +53,20 @@ def training_state_bytes(named_params: list[tuple[str, torch.nn.Parameter]], opt
     if n:
         per["total"] = sum(totals.values()) / n
     return {"params": n, "bytes": totals, "bytes_per_param": per}
+
+
+def estimate_llama_params(model_config: Any) -> int:
+    """Parameters of the whole (unsharded) Llama of a config: embeddings, attention, MLP, norms, LM head."""
+    h, i, v = model_config.hidden_size, model_config.intermediate_size, model_config.vocab_size
+    kv = h // model_config.num_attention_heads * model_config.num_key_value_heads
+    per_layer = h * (h + 2 * kv) + h * h + 2 * h * i + i * h + 2 * h
+    head = 0 if model_config.tie_word_embeddings else v * h
+    return v * h + model_config.num_hidden_layers * per_layer + h + head
+
+
+def snapshot_bytes_per_rank(config: Any) -> int:
+    """What one rank's node-local snapshot holds: its share of the parameters x (the parameter itself, an fp32
+    master in bf16, Adam's two fp32 moments)."""
+    per_param = 4 + 8 if config.model.dtype == torch.float32 else torch.finfo(config.model.dtype).bits // 8 + 4 + 8
+    shards = config.ranks_per_replica
+    return -(-estimate_llama_params(config.model.model_config) // shards) * per_param

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -78,6 +79,38 @@ def _check_precision(config: RecoverConfig) -> None:
             "optimizer.accumulate_grad_in_fp32: false is not supported with fault_tolerance and model.dtype: "
             "bfloat16 (the cross-replica reduction and its snapshots work on fp32 gradient buckets, which are the fp32 "
             "accumulation): set it to true"
+        )
+
+
+def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_dir: Path) -> None:
+    """Before launch: two snapshots per rank of this node must fit ``local_snapshot_max_gb`` and the free space
+    of ``local_snapshot_dir`` (this run's own older snapshots there count as free: they are replaced)."""
+    ft = config.fault_tolerance
+    if not config.ft_enabled or ft.local_snapshot_interval == 0:
+        return
+    import shutil
+
+    from nanotron_recover.memory import snapshot_bytes_per_rank
+    from nanotron_recover.recovery.local_snapshot import snapshot_folder
+
+    folder = Path(ft.local_snapshot_dir)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"fault_tolerance.local_snapshot_dir: {folder} cannot be created here (no write access "
+                          f"to {existing}); set another folder, or local_snapshot_interval: 0")
+    ours = snapshot_folder(config, run_dir)
+    reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours.is_dir() else 0
+    free = shutil.disk_usage(existing).free + reusable
+    need = 2 * ranks_per_node * snapshot_bytes_per_rank(config)
+    limit = free / 2 if ft.local_snapshot_max_gb is None else min(free, ft.local_snapshot_max_gb * 2**30)
+    if need > limit:
+        raise ConfigError(
+            f"fault_tolerance.local_snapshot_*: two snapshots for each of {ranks_per_node} rank(s) per node need "
+            f"{need / 2**30:.2f} GiB, more than {limit / 2**30:.2f} GiB (local_snapshot_max_gb "
+            f"{ft.local_snapshot_max_gb}, {free / 2**30:.2f} GiB free in {existing}): raise local_snapshot_max_gb, "
+            "point local_snapshot_dir at a larger node-local folder, or set local_snapshot_interval: 0"
         )
 
 

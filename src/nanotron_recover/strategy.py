@@ -131,6 +131,11 @@ class DataParallelStrategy(ABC):
     def finish(self, step: int, services: StepServices) -> None:
         """Called by every rank after the last step."""
 
+    def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
+        """Collective at start-up: load the newest committed step kept in node-local snapshots if it is newer than
+        ``newer_than`` (the disk checkpoint's step); return it, or None (the stock path keeps none)."""
+        return None
+
     def startup_complete(self) -> None:
         """Called by every rank once it is ready to train (model built, checkpoint loaded)."""
 

@@ -167,7 +167,7 @@ class RecoverTrainer:
 
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
-        self.step = self.checkpoints.maybe_resume(self)
+        self.step = self._resume()
         first_step = self.step + 1
         self.injector.maybe_fail(0, "startup:checkpoint_load")
         self.dp.startup_complete()  # every rank ready: from here on a fault is recovered, not a restart
@@ -187,6 +187,16 @@ class RecoverTrainer:
                 self.save_checkpoint(step)
         self.dp.finish(self.step, self.services)
         self.metrics.close()
+
+    def _resume(self) -> int:
+        """The step to continue after: the newest committed step held in node-local snapshots when it is newer than
+        the disk checkpoint (auto-resume only: an explicit ``resume_checkpoint_path`` is loaded as asked), else the
+        disk checkpoint's (0: from scratch)."""
+        if self.checkpoints.resume_path is None:
+            local = self.dp.resume_from_local_snapshot(self, newer_than=self.checkpoints.source_step())
+            if local is not None:
+                return local
+        return self.checkpoints.maybe_resume(self)
 
     def _log_training_state(self, step: int) -> None:
         """Bytes of training state per parameter on the logging rank (``benchmarks/precision_bench.py``)."""

@@ -100,7 +100,8 @@ INTERVAL = 3
 
 def _node_config(tiny_config) -> dict:
     return tiny_config(dp=3, tp=2, accumulation=2, steps=NODE_STEPS, layers=2, checkpoint_interval=INTERVAL,
-                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120})
+                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
+                                        "local_snapshot_interval": 0})  # the disk-checkpoint fallback itself
 
 
 def _launch_and_lose(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,

@@ -209,6 +209,25 @@ class FTWorld:
             c.Bcast(buf, root=root)
         return buf
 
+    def allgather_object(self, obj):
+        """Every live rank's ``obj`` (picklable, small), in live-rank order."""
+        c = self._comm("world")
+        with self._guard("allgather", c):
+            return c.allgather(obj)
+
+    def exchange_bytes(self, sends: dict[int, bytes], recv_from: int | None, recv_size: int = 0) -> bytearray | None:
+        """Point to point over the world: send ``sends[dest]`` to each world rank ``dest`` and receive
+        ``recv_size`` bytes from world rank ``recv_from`` (if any). Sends are posted first: no ordering deadlock."""
+        c = self._comm("world")
+        index = {rank: i for i, rank in enumerate(self.live_ranks)}
+        received = bytearray(recv_size) if recv_from is not None else None
+        with self._guard("exchange_bytes", c):
+            requests = [c.Isend(data, dest=index[dest], tag=71) for dest, data in sends.items()]
+            if recv_from is not None:
+                c.Recv(received, source=index[recv_from], tag=71)
+            MPI.Request.Waitall(requests)
+        return received
+
     def barrier(self) -> None:
         c = self._comm("world")
         with self._guard("barrier", c):

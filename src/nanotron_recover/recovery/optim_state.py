@@ -1,10 +1,13 @@
 """Adam state that exists before the first optimizer step, so that it can be filled in place.
 
 An idle spare never stepped, and a resumed HSDP run loads shards into existing tensors: both need the state
-tensors AdamW would create on its first step. No MPI here: checkpoint readers import this.
+tensors AdamW would create on its first step. And the one order in which a rank's whole training state is copied
+(spare activation, node-local snapshots). No MPI here: checkpoint readers import this.
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
@@ -32,3 +35,21 @@ def torch_optimizer(optimizer) -> torch.optim.Optimizer:
     while not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def state_tensors(state) -> Iterator[torch.Tensor]:
+    """Parameters, their fp32 masters (mixed precision), then each one's optimizer state, in the same order on
+    every replica."""
+    accumulator = getattr(state.optimizer, "gradient_accumulator", None)  # mixed precision: fp32 masters
+    stepped = [param for _, param in state.named_params]  # what the optimizer steps: the params, or their masters
+    for param in stepped:
+        yield param.data
+    if accumulator is not None:
+        stepped = [accumulator.get_parameter_for_optimizer(name) for name, _ in state.named_params]
+        for master in stepped:
+            yield master.data
+    inner = torch_optimizer(state.optimizer)
+    for param in stepped:
+        param_state = inner.state[param]
+        for key in sorted(param_state):
+            yield param_state[key]

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEven
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
-from nanotron_recover.recovery.optim_state import ensure_adam_state, torch_optimizer
+from nanotron_recover.recovery.local_snapshot import LocalSnapshots
+from nanotron_recover.recovery.optim_state import ensure_adam_state, state_tensors
 from nanotron_recover.strategy import (
     AttachedModel,
     CheckpointWriter,
@@ -111,6 +112,7 @@ class ResilientDataParallel(DataParallelStrategy):
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
         self._step_started = 0.0
+        self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
 
     def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
         """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""
@@ -310,6 +312,13 @@ class ResilientDataParallel(DataParallelStrategy):
                 donors -= set(event.failed_replicas)
                 if self.roster.below_minimum(self.min_replicas) or not donors:
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
+        if self.snapshots is not None and self.computes():  # an idle spare's state is not the committed one
+            self.progress(step, "snapshot")
+            try:
+                self.snapshots.after_commit(step, state, epoch=self.ft.epoch)
+            except OSError as e:  # e.g. /dev/shm full: training goes on, relaunches use the disk checkpoint
+                print(f"[nanotron-recover] local snapshots turned off: {e}", flush=True)
+                self.snapshots = None
         self.hang_policy.record_step(time.monotonic() - self._step_started)
 
     def _copy_state_to_new_replicas(
@@ -317,18 +326,28 @@ class ResilientDataParallel(DataParallelStrategy):
     ) -> None:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
         ensure_adam_state(state.optimizer)
-        for tensor in _state_tensors(state):
+        for tensor in state_tensors(state):
             _bcast_tensor(self.ft, tensor, donor)
         services.metrics.log_event(
             {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch}
         )
 
+    def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
+        self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)
+        self.progress(0, "local-snapshot-resume")
+        return self.snapshots.resume(state, newer_than)
+
     def finish(self, step: int, services: StepServices) -> None:
-        """A last agreement after the final step, so that a death after the last commit is known at shutdown."""
+        """A last agreement after the final step, so that a death after the last commit is known at shutdown; then
+        this node's local snapshots of the run are deleted."""
+        if self.snapshots is not None:
+            self.snapshots.finish()
         try:
             self.ft.agree(True)
         except FailureDetected:
             self._repair(services, step, "end")
+        if self.snapshots is not None:
+            self.snapshots.remove()
         self.ft.progress.waiting("finish")  # closing the metrics (wandb) is judged by the stall limit only
 
     # ------------------------------------------------------------------------------------------------- misc
@@ -376,21 +395,3 @@ def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
     ft.bcast_(words.numpy(), root_replica=donor, comm="coord")
     if host is not tensor:
         tensor.copy_(host)
-
-
-def _state_tensors(state: TrainingState) -> Iterator[torch.Tensor]:
-    """Parameters, their fp32 masters (mixed precision), then each one's optimizer state, in the same order on
-    every replica."""
-    accumulator = fp32_accumulator(state)
-    stepped = [param for _, param in state.named_params]  # what the optimizer steps: the params, or their masters
-    for param in stepped:
-        yield param.data
-    if accumulator is not None:
-        stepped = [accumulator.get_parameter_for_optimizer(name) for name, _ in state.named_params]
-        for master in stepped:
-            yield master.data
-    inner = torch_optimizer(state.optimizer)
-    for param in stepped:
-        param_state = inner.state[param]
-        for key in sorted(param_state):
-            yield param_state[key]

@@ -1,0 +1,172 @@
+"""Node-local snapshots: the file format, the two slots, refusal of another run's files, the agreement on a step,
+and a writer SIGKILLed mid-write (a real process) leaving the previous snapshot usable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nanotron_recover.config import ConfigError, config_from_dict
+from nanotron_recover.preflight import check_local_snapshot_budget
+from nanotron_recover.recovery.local_snapshot import (
+    SnapshotWriter,
+    choose_step,
+    parse,
+    scan,
+    transfer_plan,
+    unpack_into,
+)
+from tests.conftest import make_tiny_config
+
+RUN, CONFIG = "run-a", "cfg-a"
+
+
+def state(seed: float) -> list[torch.Tensor]:
+    """Tensors like a rank's state: bf16 parameters, fp32 masters and moments, Adam's 0-d step."""
+    return [
+        torch.full((3, 4), seed, dtype=torch.bfloat16),
+        torch.arange(12, dtype=torch.float32).reshape(3, 4) + seed,
+        torch.full((7,), -seed, dtype=torch.float32),
+        torch.tensor(seed, dtype=torch.float32),
+    ]
+
+
+def test_a_snapshot_round_trips_exactly(tmp_path):
+    writer = SnapshotWriter(tmp_path, "r0-c1", run_id=RUN, config_hash=CONFIG, coord=1)
+    written = state(2.5)
+    writer.write(7, written, {"lr_scheduler": {"last_epoch": 7}}, epoch=3)
+    writer.close()
+    (found,) = scan(tmp_path, RUN, CONFIG)
+    assert (found.step, found.coord, found.header["epoch"]) == (7, 1, 3)
+    header, extras, payload = parse(found.path.read_bytes())
+    assert extras == {"lr_scheduler": {"last_epoch": 7}}
+    target = state(0.0)
+    unpack_into(target, header, payload)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(written, target))
+
+
+def test_two_slots_keep_the_newest_snapshot_and_the_one_before(tmp_path):
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0)
+    for step in (1, 2, 3):
+        writer.write(step, state(float(step)), {})
+    writer.close()
+    assert sorted(s.step for s in scan(tmp_path, RUN, CONFIG)) == [2, 3]
+    assert writer.bytes_written > 3 * sum(t.numel() * t.element_size() for t in state(0.0))
+
+
+def test_another_runs_or_configs_snapshot_is_refused_with_a_message(tmp_path):
+    for run, config, name in ((RUN, "cfg-b", "r0-c0"), ("run-b", CONFIG, "r1-c0")):
+        writer = SnapshotWriter(tmp_path, name, run_id=run, config_hash=config, coord=0)
+        writer.write(5, state(1.0), {})
+        writer.close()
+    said: list[str] = []
+    assert scan(tmp_path, RUN, CONFIG, log=said.append) == []
+    assert len(said) == 2 and all("belongs to another run or config" in m and "refused" in m for m in said)
+
+
+def test_a_damaged_payload_is_refused(tmp_path):
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0)
+    writer.write(1, state(1.0), {})
+    writer.close()
+    (found,) = scan(tmp_path, RUN, CONFIG)
+    data = bytearray(found.path.read_bytes())
+    data[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="checksum"):
+        parse(bytes(data))
+
+
+def test_a_snapshot_of_another_layout_is_not_loaded(tmp_path):
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0)
+    writer.write(1, state(1.0), {})
+    writer.close()
+    header, _, payload = parse(scan(tmp_path, RUN, CONFIG)[0].path.read_bytes())
+    with pytest.raises(ValueError, match="do not match"):
+        unpack_into(state(0.0)[:3], header, payload)
+
+
+# ------------------------------------------------------------------------------------------- the agreement
+def test_the_newest_step_every_coordinate_holds_is_chosen():
+    offers = [[(0, 5), (0, 6)], [(1, 5)], [(0, 6), (1, 4)]]  # coordinate 1 has no copy of step 6
+    assert choose_step(offers, coords=[0, 1], newer_than=None) == 5
+    assert choose_step(offers, coords=[0, 1], newer_than=5) is None  # the disk checkpoint is as new
+    assert choose_step(offers, coords=[0, 1], newer_than=3) == 5
+    assert choose_step([[], []], coords=[0], newer_than=None) is None
+
+
+def test_ranks_without_their_coordinate_receive_it_from_the_lowest_holder():
+    offers = [[(0, 5)], [(1, 5)], [], [(0, 5), (1, 5)]]
+    coord_of = [0, 1, 0, 1]
+    assert transfer_plan(offers, coord_of, step=5) == {2: 0}
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 8)), max_size=6), min_size=1, max_size=8),
+       st.integers(1, 4))
+def test_a_chosen_step_can_always_be_served_to_every_rank(offers, rpr):
+    coord_of = [rank % rpr for rank in range(len(offers))]
+    step = choose_step(offers, coords=range(rpr), newer_than=None)
+    if step is None:
+        return
+    plan = transfer_plan(offers, coord_of, step)
+    for rank, coord in enumerate(coord_of):
+        holder = plan.get(rank, rank)
+        assert (coord, step) in offers[holder]
+    later = {s for pairs in offers for _, s in pairs if s > step}
+    assert all(not set(range(rpr)) <= {c for pairs in offers for c, s in pairs if s == t} for t in later)
+
+
+# ------------------------------------------------------------------------------------------- a kill mid-write
+WRITER = """
+import sys, torch
+from nanotron_recover.recovery.local_snapshot import SnapshotWriter
+writer = SnapshotWriter(sys.argv[1], "r0-c0", run_id="run-a", config_hash="cfg-a", coord=0)
+big = torch.empty(16 * 2**20 // 4, dtype=torch.float32)
+step = 0
+while True:
+    step += 1
+    big.fill_(float(step))
+    writer.write(step, [big], {"step": step})
+    if step == 2:
+        print("ready", flush=True)
+"""
+
+
+def test_a_kill_during_a_write_leaves_the_previous_snapshot_usable(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("*.tmp")) and time.monotonic() < deadline:  # a write in flight
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert list(tmp_path.glob("*.tmp")), "the kill hit a write in flight (its partial file is left)"
+    found = scan(tmp_path, RUN, CONFIG)
+    assert found, "a complete snapshot survives the kill"
+    for snap in found:
+        header, extras, payload = parse(snap.path.read_bytes())  # complete: the checksum holds
+        target = [torch.empty(16 * 2**20 // 4, dtype=torch.float32)]
+        unpack_into(target, header, payload)
+        assert extras["step"] == snap.step and bool((target[0] == float(snap.step)).all())
+
+
+# ------------------------------------------------------------------------------------------- before launch
+def test_a_snapshot_budget_too_small_is_refused_before_launch(tmp_path):
+    raw = make_tiny_config(dp=2, fault_tolerance={"enabled": True, "local_snapshot_dir": str(tmp_path / "shm"),
+                                                  "local_snapshot_max_gb": 1e-6})
+    with pytest.raises(ConfigError, match="local_snapshot_max_gb"):
+        check_local_snapshot_budget(config_from_dict(raw), ranks_per_node=2, run_dir=tmp_path / "run")
+    raw["fault_tolerance"]["local_snapshot_max_gb"] = 1.0
+    check_local_snapshot_budget(config_from_dict(raw), ranks_per_node=2, run_dir=tmp_path / "run")
+    raw["fault_tolerance"].update(local_snapshot_max_gb=1e-6, local_snapshot_interval=0)  # off: nothing to check
+    check_local_snapshot_budget(config_from_dict(raw), ranks_per_node=2, run_dir=tmp_path / "run")

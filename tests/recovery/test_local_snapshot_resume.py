@@ -1,0 +1,122 @@
+"""A relaunch continues from the node-local snapshot of the last committed step, bit-identically.
+
+The whole job is SIGKILLed (every rank and mpirun: what a lost node does to an ``mpirun`` here) after step 5; the
+relaunch in the same run dir resumes from the snapshots in ``/dev/shm`` (there is no disk checkpoint) at the last
+committed step and trains on with exactly the losses of the uninterrupted run; at the end the snapshots are gone.
+A relaunch with another config is refused the snapshots (and says so). 3D and HSDP replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.config import config_from_dict
+from nanotron_recover.recovery.local_snapshot import snapshot_folder
+from nanotron_recover.runs import read_metrics, run_training, write_config
+from tests.conftest import make_tiny_config
+
+STEPS = 10
+KILL_AFTER = 5
+TIMEOUT_S = 300
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(4 * TIMEOUT_S)]
+RESUMED = re.compile(r"resumed from the local snapshot of step (\d+)")
+
+
+def config(kind: str, tmp_path: Path, seed: int = 7) -> dict:
+    ft = {"enabled": True, "reduce_bucket_mb": 0.01, "local_snapshot_dir": str(tmp_path / "shm")}
+    if kind == "fsdp":
+        ft.update(replica="fsdp", fsdp_shard_size=2)
+        raw = make_tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance=ft)
+    else:
+        raw = make_tiny_config(dp=2, tp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance=ft)
+    raw["general"]["seed"] = seed
+    return raw
+
+
+def launch_and_kill_the_job(config_path: Path, run_dir: Path, after_step: int) -> int:
+    """Launch; once ``after_step`` is logged SIGKILL the whole job (mpirun and every rank). -> last logged step."""
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps, _ = read_metrics(run_dir)
+            if steps and steps[-1]["step"] >= after_step:
+                break
+            time.sleep(0.02)
+    finally:
+        kill_every_process_of(run_dir, proc)
+    steps, _ = read_metrics(run_dir)
+    assert steps and steps[-1]["step"] >= after_step, "the job ended before it could be killed"
+    return steps[-1]["step"]
+
+
+def kill_every_process_of(run_dir: Path, launcher: subprocess.Popen) -> None:
+    """SIGKILL the launcher's group and every rank of the run (Open MPI puts its ranks in groups of their own),
+    then wait until none is left."""
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=60)
+    needle = str(run_dir).encode()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if needle in (entry / "cmdline").read_bytes():
+                        left.append(int(entry.name))
+                except OSError:
+                    continue
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"processes of {run_dir} survived SIGKILL")
+
+
+@pytest.mark.parametrize("kind", ["3d", "fsdp"])
+def test_a_killed_job_continues_from_its_last_committed_step(kind, tmp_path):
+    reference = run_training(config(kind, tmp_path), tmp_path / "reference", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    run_dir = tmp_path / "run"
+    config_path = write_config(config(kind, tmp_path), run_dir / "config.yaml")
+    last = launch_and_kill_the_job(config_path, run_dir, KILL_AFTER)
+    folder = snapshot_folder(config_from_dict(config(kind, tmp_path)), run_dir)
+    assert sorted(p.name for p in folder.glob("*.slot*")), "every rank left its snapshots on the node"
+
+    relaunched = time.time()
+    result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    resumed = {int(m) for m in RESUMED.findall(result.output)}
+    assert len(resumed) == 1, result.output[-3000:]
+    (step,) = resumed
+    assert step in (last, last + 1), (step, last)  # the last logged step, or one committed but not yet logged
+    after = [s for s in result.steps if s["time"] >= relaunched]
+    assert [s["step"] for s in after] == list(range(step + 1, STEPS + 1))
+    assert [s["loss"] for s in after] == reference.losses[step:]  # identical: the state is the committed one
+    assert not folder.exists(), "the finished run deleted its snapshots"
+    print(f"\n{kind}: killed after step {last} was logged, resumed at step {step} "
+          f"({max(0, last - step)} logged step(s) recomputed)")
+
+
+def test_snapshots_of_another_config_are_refused_with_a_message(tmp_path):
+    run_dir = tmp_path / "run"
+    launch_and_kill_the_job(write_config(config("3d", tmp_path), run_dir / "config.yaml"), run_dir, 3)
+    changed = write_config(config("3d", tmp_path, seed=8), run_dir / "changed.yaml")  # same run dir, another seed
+    relaunched = time.time()
+    result = run_training(changed, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert "belongs to another run or config" in result.output and "refused" in result.output
+    assert not RESUMED.search(result.output)
+    assert [s["step"] for s in result.steps if s["time"] >= relaunched][0] == 1  # from scratch: no disk checkpoint

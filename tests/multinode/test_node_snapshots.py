@@ -1,0 +1,80 @@
+"""A node loss costs one step, not a checkpoint interval: the relaunch resumes from node-local snapshots.
+
+3 fake nodes (one real ``prted`` each), 3 replicas x TP2, a disk checkpoint every 4 steps. Node 3 is lost whole
+after step 6 (its prted and its ranks, SIGKILL): the job ends (exit 3). Node 3's memory is gone, and so is node 2's
+snapshot folder here (as if node 2 had been replaced too), so only node 1 holds a replica's worth of snapshots.
+The relaunch on 2 nodes (``--replicas 2``, M kept) agrees on the newest step node 1 holds, node 2's ranks receive
+their coordinates' state over MPI, and training continues there, never at the disk checkpoint; every loss after
+the resume equals the failure-free run's.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+
+from nanotron_recover.config import config_from_dict
+from nanotron_recover.exit_codes import EXIT_RESTART
+from nanotron_recover.fake_nodes import write_bed
+from nanotron_recover.recovery.local_snapshot import NODE_NAME_ENV, snapshot_folder
+from nanotron_recover.runs import latest_checkpoint_step, read_metrics, run_training, write_config
+from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S + 60)]
+STEPS = 12
+INTERVAL = 4
+LOSE_AFTER = 6
+TOL = 1e-5
+
+
+def node_config(tiny_config, shm) -> dict:
+    return tiny_config(dp=3, tp=2, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=INTERVAL,
+                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
+                                        "local_snapshot_dir": str(shm)})
+
+
+def test_a_lost_node_costs_one_step_not_a_checkpoint_interval(tiny_config, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    reference = run_training(node_config(tiny_config, shm), tmp_path / "ref", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    want = {s["step"]: s["loss"] for s in reference.steps}
+    run_dir = tmp_path / "run"
+    raw = node_config(tiny_config, shm)
+    config_path = write_config(raw, run_dir / "config.yaml")
+
+    bed3 = tmp_path / "bed3"
+    proc, out, lost_at, placement = _launch_and_lose(config_path, run_dir, write_bed(bed3, [2, 2, 2]), bed3, "n3",
+                                                     LOSE_AFTER, [])
+    assert placement == {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}, placement
+    assert proc.returncode == EXIT_RESTART, out[-4000:]
+    last = read_metrics(run_dir)[0][-1]["step"]
+    disk = latest_checkpoint_step(run_dir)
+    assert disk is not None and disk <= last, (disk, last)
+
+    config = config_from_dict(raw)
+    for lost in ("n3", "n2"):  # node 3's memory is gone; node 2's folder too, so its ranks must receive
+        monkeypatch.setenv(NODE_NAME_ENV, lost)
+        shutil.rmtree(snapshot_folder(config, run_dir))
+    monkeypatch.delenv(NODE_NAME_ENV)
+
+    for key, value in write_bed(tmp_path / "bed2", [2, 2]).items():
+        monkeypatch.setenv(key, value)
+    relaunched = time.time()
+    result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data", "--replicas", "2"])
+    steps = {int(s) for s in re.findall(r"resumed from the local snapshot of step (\d+)", result.output)}
+    assert len(steps) == 1, result.output[-4000:]
+    (step,) = steps
+    assert step >= max(last, disk), (step, last, disk)  # the last committed step, not the checkpoint
+    assert "received from rank 0" in result.output or "received from rank 1" in result.output  # node 2's ranks
+    after = [s for s in result.steps if s["time"] >= relaunched]
+    assert [s["step"] for s in after] == list(range(step + 1, STEPS + 1))
+    assert all(s["microbatches"] == 6 and s["live_replicas"] == 2 for s in after)
+    diff = max(abs(s["loss"] - want[s["step"]]) for s in after)
+    assert diff <= TOL, [(s["step"], s["loss"], want[s["step"]]) for s in after]
+    again = after[0]["time"] - after[0]["step_time_s"] - lost_at
+    print(f"\nnode 3 lost after step {last} (disk checkpoint at {disk}): resumed from the local snapshot of step "
+          f"{step}, {max(0, last - step)} logged step(s) recomputed (a relaunch from disk: {last - disk}); "
+          f"training again {again:.1f} s after the loss; max |dloss| vs failure-free {diff:.1e}")

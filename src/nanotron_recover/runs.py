@@ -7,7 +7,9 @@ when ranks were SIGKILLed.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -240,3 +242,30 @@ def _param_name(relative: Path) -> str:
     (nanotron's file naming)."""
     leaf = relative.name.split(".")[0].removeprefix("model_").split("_pp-rank-")[0]
     return ".".join((*relative.parent.parts, leaf))
+
+
+def kill_run_processes(run_dir: Path, launcher: subprocess.Popen) -> None:
+    """SIGKILL a launched job whole, as a lost node does to an ``mpirun`` here: the launcher's process group and
+    every process naming ``run_dir`` (Open MPI puts its ranks in groups of their own); wait until none is left."""
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=60)
+    needle = str(run_dir).encode()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if needle in (entry / "cmdline").read_bytes():
+                        left.append(int(entry.name))
+                except OSError:
+                    continue
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"processes of {run_dir} survived SIGKILL")

@@ -8,9 +8,7 @@ A relaunch with another config is refused the snapshots (and says so). 3D and HS
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ import pytest
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.local_snapshot import snapshot_folder
-from nanotron_recover.runs import read_metrics, run_training, write_config
+from nanotron_recover.runs import kill_run_processes, read_metrics, run_training, write_config
 from tests.conftest import make_tiny_config
 
 STEPS = 10
@@ -54,37 +52,10 @@ def launch_and_kill_the_job(config_path: Path, run_dir: Path, after_step: int) -
                 break
             time.sleep(0.02)
     finally:
-        kill_every_process_of(run_dir, proc)
+        kill_run_processes(run_dir, proc)
     steps, _ = read_metrics(run_dir)
     assert steps and steps[-1]["step"] >= after_step, "the job ended before it could be killed"
     return steps[-1]["step"]
-
-
-def kill_every_process_of(run_dir: Path, launcher: subprocess.Popen) -> None:
-    """SIGKILL the launcher's group and every rank of the run (Open MPI puts its ranks in groups of their own),
-    then wait until none is left."""
-    os.killpg(launcher.pid, signal.SIGKILL)
-    launcher.wait(timeout=60)
-    needle = str(run_dir).encode()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        left = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if needle in (entry / "cmdline").read_bytes():
-                        left.append(int(entry.name))
-                except OSError:
-                    continue
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    raise AssertionError(f"processes of {run_dir} survived SIGKILL")
 
 
 @pytest.mark.parametrize("kind", ["3d", "fsdp"])

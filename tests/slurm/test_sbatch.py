@@ -153,6 +153,7 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
 # ------------------------------------------------------------------------ 3. killed in the middle of a save
 def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path: Path) -> None:
     config = _ft_config(min_replicas=1)
+    config["fault_tolerance"]["local_snapshot_interval"] = 0  # what is tested: the disk checkpoint's atomicity
     model = config["model"]["model_config"]
     # big enough that a save (weights + Adam state, fsynced) takes long enough to be caught in the middle
     model.update(hidden_size=384, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=4,

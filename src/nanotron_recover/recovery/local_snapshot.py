@@ -124,6 +124,10 @@ class SnapshotWriter:
         self._count = 0
         self.bytes_written = 0
 
+    @property
+    def payload_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
     def paths(self) -> list[Path]:
         return [self.folder / f"{self.name}.slot{k}" for k in range(SLOTS)]
 
@@ -328,8 +332,9 @@ class LocalSnapshots:
         self._writer.write(step, list(state_tensors(state)), extras, epoch=epoch)
 
     @property
-    def bytes_written(self) -> int:
-        return self._writer.bytes_written if self._writer is not None else 0
+    def bytes_per_snapshot(self) -> int:
+        """The state bytes one snapshot of this rank holds (0 before the first)."""
+        return self._writer.payload_bytes if self._writer is not None else 0
 
     def resume(self, state: Any, newer_than: int | None) -> int | None:
         """Collective over the world at start-up: agree on the newest step that every coordinate holds somewhere

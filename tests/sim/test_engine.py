@@ -83,10 +83,13 @@ def test_a_node_loss_ends_the_job_as_coded_but_not_in_the_hypothetical_runtime()
     kw = dict(target_steps=10, scheduled=sched, random_failures=False)
     coded = simulate(c, P.recover(4), GPU, **kw)
     hypo = simulate(c, P.recover_node_tolerant(4), GPU, **kw)
-    assert coded.crashes == 1 and hypo.crashes == 0
-    # coded: back to the checkpoint at step 4, 1.5 steps lost, restart 5 s
-    assert coded.wall_s == pytest.approx(10 * 2 + 1.5 * 2 + 5.0)
-    assert hypo.wall_s < coded.wall_s
+    no_snapshots = simulate(c, P.recover(4).with_(local_snapshots=False), GPU, **kw)
+    assert coded.crashes == 1 and hypo.crashes == 0 and no_snapshots.crashes == 1
+    # coded: back to the local snapshot of step 5, the half step in flight lost, restart 5 s
+    assert coded.wall_s == pytest.approx(10 * 2 + 0.5 * 2 + 5.0)
+    # without snapshots: back to the checkpoint at step 4, 1.5 steps lost
+    assert no_snapshots.wall_s == pytest.approx(10 * 2 + 1.5 * 2 + 5.0)
+    assert hypo.wall_s < coded.wall_s < no_snapshots.wall_s
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -187,9 +187,14 @@ class _Run:
 
     # -- failures
     def _crash(self, dead_procs: int) -> None:
-        """The whole job ends: roll back to the last checkpoint, tear down, relaunch."""
+        """The whole job ends: roll back to the last checkpoint (with node-local snapshots: to the last committed
+        step, only the step in flight is lost), tear down, relaunch."""
         self.res.crashes += 1
-        self.progress, self.tokens = self.ckpt_progress, self.ckpt_tokens
+        if self.pol.local_snapshots:
+            in_flight = self.progress - math.floor(self.progress + _EPS)
+            self.progress, self.tokens = self.progress - in_flight, self.tokens - in_flight * self.tokens_per_step()
+        else:
+            self.progress, self.tokens = self.ckpt_progress, self.ckpt_tokens
         self.next_ckpt = self._next_ckpt_after(self.progress)
         self.pending.clear()
         self._push("teardown", self.p.teardown_s, max(0, self.job_procs() - dead_procs))

@@ -5,8 +5,10 @@ replica out; the survivors recompute its microbatches in the same step and keep 
 replicas first; nothing ever joins a running job again (growing by spawning is unsafe on this Open MPI, and
 there is no recycling of a failed replica's surviving ranks into new replicas, whatever DESIGN.md plans);
 below ``min_replicas`` the job checkpoints and exits 3, and the requeued job starts at full size. A node's
-daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (FACTS.md), so a node loss is a crash that resumes from
-the last periodic checkpoint, as in checkpoint-restart. ``hypothetical`` policies are not in the code.
+daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (FACTS.md), so a node loss is a crash and a relaunch; the
+relaunch resumes from the node-local snapshots of the last committed step (``local_snapshot_interval: 1``, the
+default: only the step in flight is lost), not from the last periodic checkpoint as checkpoint-restart does.
+``hypothetical`` policies are not in the code.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Policy:
     rejoin: bool = False  # a replaced replica joins the running job again (torchft), after Params.rejoin_s
     checkpoint_interval: int | None = None  # steps between periodic checkpoints (None: never)
     recover_path: bool = False  # pays Params.recover_step_factor (the ULFM path's failure-free overhead)
+    local_snapshots: bool = False  # a crash rolls back to the last committed step, not the last checkpoint
     hypothetical: bool = False  # not what the code does
     note: str = ""
 
@@ -48,8 +51,9 @@ def shrinking(interval: int | None = None, min_replicas: int = 1) -> Policy:
 
 def recover(interval: int | None, min_replicas: int = 1) -> Policy:
     return Policy("recover", in_place=True, min_replicas=min_replicas, checkpoint_interval=interval,
-                  recover_path=True, note="ReCoVer as coded: in-step, M kept, requeue below min_replicas, "
-                  "node loss ends the job")
+                  recover_path=True, local_snapshots=True,
+                  note="ReCoVer as coded: in-step, M kept, requeue below min_replicas, node loss ends the job "
+                  "and the relaunch resumes from node-local snapshots of the last committed step")
 
 
 def recover_spares(interval: int | None, spares: int, min_replicas: int = 1) -> Policy:

@@ -13,7 +13,6 @@ Minimal size: --steps 4 --hidden 32 --intermediate 64 --seq 16
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -21,7 +20,7 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lib.config import add_size_args, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
 from nanotron_recover.memory import ROLES  # noqa: E402
@@ -35,14 +34,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--accumulation", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", default="runs/bench/precision")
-    ap.add_argument("--timeout-s", type=float, default=900)
-    add_size_args(ap)
-    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
+    add_headline_run_args(ap, out="runs/bench/precision")
     args = ap.parse_args(argv)
     size = size_from_args(args)
-    out = Path(args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
+    out = fresh_out_dir(args)
 
     results: dict[str, dict] = {}
     for dtype in DTYPES:

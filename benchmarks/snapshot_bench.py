@@ -17,7 +17,6 @@ Minimal size: --steps 6 --kill-after 3 --checkpoint-interval 2 --pairs 1 --hidde
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lib.config import add_size_args, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
 from nanotron_recover.runs import kill_run_processes, read_metrics, run_training, write_config  # noqa: E402
@@ -64,14 +63,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--pairs", type=int, default=4, help="interleaved failure-free runs of each variant")
     ap.add_argument("--kill-after", type=int, default=14)
     ap.add_argument("--checkpoint-interval", type=int, default=10)
-    ap.add_argument("--out", default="runs/bench/snapshot")
-    ap.add_argument("--timeout-s", type=float, default=900)
-    add_size_args(ap)
-    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
+    add_headline_run_args(ap, out="runs/bench/snapshot")
     args = ap.parse_args(argv)
     size = size_from_args(args)
-    out = Path(args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
+    out = fresh_out_dir(args)
 
     def config(interval: int, checkpoint_interval: int = 100000) -> dict:
         ft = {"enabled": True, "local_snapshot_interval": interval}  # the default folder: /dev/shm (memory)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # The project's stock-format tiny Llama (the same fields as tests/fixtures/stock_nanotron.yaml; benchmark configs
@@ -119,6 +121,21 @@ def add_size_args(ap) -> None:
     ap.add_argument("--seq", type=int, default=d.seq)
     ap.add_argument("--micro-batch", type=int, default=d.micro_batch)
     ap.add_argument("--vocab", type=int, default=d.vocab)
+
+
+def add_headline_run_args(ap, out: str) -> None:
+    """``--out`` (default ``out``), ``--timeout-s`` and the model-size flags, defaulting to the headline model."""
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--timeout-s", type=float, default=900)
+    add_size_args(ap)
+    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
+
+
+def fresh_out_dir(args) -> Path:
+    """``--out`` as an absolute path, emptied (a benchmark's folder holds one run of it)."""
+    out = Path(args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    return out
 
 
 def size_from_args(args) -> ModelSize:

@@ -28,7 +28,6 @@ import pickle
 import shutil
 import socket
 import struct
-import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass

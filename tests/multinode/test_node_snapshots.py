@@ -67,7 +67,8 @@ def test_a_lost_node_costs_one_step_not_a_checkpoint_interval(tiny_config, tmp_p
     steps = {int(s) for s in re.findall(r"resumed from the local snapshot of step (\d+)", result.output)}
     assert len(steps) == 1, result.output[-4000:]
     (step,) = steps
-    assert step >= max(last, disk), (step, last, disk)  # the last committed step, not the checkpoint
+    # the last committed step (or the one before, if the loss hit its snapshot's background write), not the checkpoint
+    assert step >= max(last - 1, disk), (step, last, disk)
     assert "received from rank 0" in result.output or "received from rank 1" in result.output  # node 2's ranks
     after = [s for s in result.steps if s["time"] >= relaunched]
     assert [s["step"] for s in after] == list(range(step + 1, STEPS + 1))

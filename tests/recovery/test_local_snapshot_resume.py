@@ -73,7 +73,9 @@ def test_a_killed_job_continues_from_its_last_committed_step(kind, tmp_path):
     resumed = {int(m) for m in RESUMED.findall(result.output)}
     assert len(resumed) == 1, result.output[-3000:]
     (step,) = resumed
-    assert step in (last, last + 1), (step, last)  # the last logged step, or one committed but not yet logged
+    # the last logged step; one committed but not yet logged; or, if the kill hit the background write of the last
+    # logged step's snapshot, the one before (the other slot)
+    assert step in (last - 1, last, last + 1), (step, last)
     after = [s for s in result.steps if s["time"] >= relaunched]
     assert [s["step"] for s in after] == list(range(step + 1, STEPS + 1))
     assert [s["loss"] for s in after] == reference.losses[step:]  # identical: the state is the committed one

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -88,8 +89,6 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     ft = config.fault_tolerance
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return
-    import shutil
-
     from nanotron_recover.memory import snapshot_bytes_per_rank
     from nanotron_recover.recovery.local_snapshot import snapshot_folder
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
+
 from nanotron_recover.nanotron_compat.clip import clip_grad_norm
 from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
 

@@ -46,7 +46,6 @@ class BucketFP32GradientAccumulator(FP32GradientAccumulator):
                 master.copy_(p)
                 self.parameters[name] = {"fp32": torch.nn.Parameter(master), "half": p}
                 offset += p.numel()
-        self.master_buffer = flat
         self._is_accumulation_sync_step = False
         self.fp32_grads_allreduce_handle = None
         self.bind_master_grads()
@@ -64,12 +63,6 @@ class BucketFP32GradientAccumulator(FP32GradientAccumulator):
             elt["half"].grad = None
             elt["fp32_grad"].zero_()
         self.bind_master_grads()
-
-    def refresh_masters_from_params(self) -> None:
-        """Masters := the low-precision parameters (after those were overwritten from outside, e.g. a load)."""
-        with torch.no_grad():
-            for elt in self.parameters.values():
-                elt["fp32"].copy_(elt["half"])
 
 
 def has_low_precision_params(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> bool:

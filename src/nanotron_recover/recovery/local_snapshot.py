@@ -178,13 +178,6 @@ class SnapshotWriter:
         self.wait()
         self._pool.shutdown(wait=True)
 
-    def remove(self) -> None:
-        """Delete this writer's files (the run finished)."""
-        self.close()
-        for path in self.paths():
-            path.unlink(missing_ok=True)
-            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
-
 
 def read_header(path: Path) -> dict:
     """The header of a snapshot file (raises ValueError on anything but a complete snapshot)."""
@@ -195,7 +188,7 @@ def read_header(path: Path) -> dict:
         return json.loads(f.read(n))
 
 
-def parse(data: bytes | memoryview, expect_crc: bool = True) -> tuple[dict, dict, memoryview]:
+def parse(data: bytes | memoryview) -> tuple[dict, dict, memoryview]:
     """(header, extras, payload) of a whole snapshot file's bytes; the payload's CRC is checked."""
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
@@ -211,7 +204,7 @@ def parse(data: bytes | memoryview, expect_crc: bool = True) -> tuple[dict, dict
     payload = view[pos + m :]
     if len(payload) != header["payload_bytes"]:
         raise ValueError(f"payload of {len(payload)} bytes, header says {header['payload_bytes']}")
-    if expect_crc and zlib.crc32(payload) != header["crc32"]:
+    if zlib.crc32(payload) != header["crc32"]:
         raise ValueError("payload checksum mismatch")
     return header, extras, payload
 
@@ -318,22 +311,23 @@ class LocalSnapshots:
     def enabled(self) -> bool:
         return self.interval > 0
 
-    def after_commit(self, step: int, state: Any, epoch: int = 0) -> None:
-        """Snapshot the state of committed ``step`` (every ``interval`` steps)."""
+    def after_commit(self, step: int, state: Any, epoch: int = 0,
+                     log_event: Callable[[dict], None] = lambda record: None) -> None:
+        """Snapshot the state of committed ``step`` (every ``interval`` steps); the first one is logged as a
+        ``local_snapshot`` event (its bytes per rank)."""
         if not self.enabled or step % self.interval:
             return
         from nanotron_recover.recovery.optim_state import state_tensors
 
-        if self._writer is None:
+        first = self._writer is None
+        if first:
             self._writer = SnapshotWriter(self.folder, f"r{self.replica}-c{self.coord}", run_id=self.run_id,
                                           config_hash=self.config_hash, coord=self.coord)
         extras = {"lr_scheduler": state.lr_scheduler.state_dict(), "param_groups": _group_settings(state.optimizer)}
         self._writer.write(step, list(state_tensors(state)), extras, epoch=epoch)
-
-    @property
-    def bytes_per_snapshot(self) -> int:
-        """The state bytes one snapshot of this rank holds (0 before the first)."""
-        return self._writer.payload_bytes if self._writer is not None else 0
+        if first:
+            log_event({"event": "local_snapshot", "step": step, "folder": str(self.folder),
+                       "bytes_per_rank": self._writer.payload_bytes})
 
     def resume(self, state: Any, newer_than: int | None) -> int | None:
         """Collective over the world at start-up: agree on the newest step that every coordinate holds somewhere

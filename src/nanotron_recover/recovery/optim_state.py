@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 
 from nanotron_recover.recovery.buckets import local_tensor
+from nanotron_recover.strategy import fp32_accumulator
 
 
 def ensure_adam_state(optimizer) -> None:
@@ -40,7 +41,7 @@ def torch_optimizer(optimizer) -> torch.optim.Optimizer:
 def state_tensors(state) -> Iterator[torch.Tensor]:
     """Parameters, their fp32 masters (mixed precision), then each one's optimizer state, in the same order on
     every replica."""
-    accumulator = getattr(state.optimizer, "gradient_accumulator", None)  # mixed precision: fp32 masters
+    accumulator = fp32_accumulator(state)  # mixed precision: fp32 masters
     stepped = [param for _, param in state.named_params]  # what the optimizer steps: the params, or their masters
     for param in stepped:
         yield param.data

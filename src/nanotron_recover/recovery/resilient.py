@@ -315,11 +315,7 @@ class ResilientDataParallel(DataParallelStrategy):
         if self.snapshots is not None and self.computes():  # an idle spare's state is not the committed one
             self.progress(step, "snapshot")
             try:
-                first = self.snapshots.bytes_per_snapshot == 0
-                self.snapshots.after_commit(step, state, epoch=self.ft.epoch)
-                if first and self.snapshots.bytes_per_snapshot:
-                    services.metrics.log_event({"event": "local_snapshot", "step": step, "folder": str(
-                        self.snapshots.folder), "bytes_per_rank": self.snapshots.bytes_per_snapshot})
+                self.snapshots.after_commit(step, state, epoch=self.ft.epoch, log_event=services.metrics.log_event)
             except OSError as e:  # e.g. /dev/shm full: training goes on, relaunches use the disk checkpoint
                 print(f"[nanotron-recover] local snapshots turned off: {e}", flush=True)
                 self.snapshots = None

@@ -12,6 +12,7 @@ import os
 import shlex
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
 
 HOSTFILE_ENV = "NANOTRON_RECOVER_HOSTFILE"  # an Open MPI hostfile for the launch
 MPIRUN_ARGS_ENV = "NANOTRON_RECOVER_MPIRUN_ARGS"  # extra mpirun options, shell-quoted (as MPIRUN_ARGS in sbatch)
+# PRRTE's own start-up failures, before any rank runs (each seen once in a full suite run on a loaded 2-core machine,
+# exit status 213): the launch is repeated, up to LAUNCH_RETRIES times
+PRRTE_STARTUP_FAILURES = (
+    "The PMIx server's listener thread failed to start",
+    "A daemon failed to report back after being spawned",
+)
+LAUNCH_RETRIES = 2
+LAUNCH_RETRY_PAUSE_S = 2.0
+OUTPUT_TAIL_BYTES = 16384
 
 
 def resolve_run_name(template: str | None) -> str:
@@ -143,25 +153,81 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.sharded_replicas:
         mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
-    rc = _run_forwarding_signals(cmd)
-    return _judge(run_dir, config, rc)
+    return _judge(run_dir, config, launch_with_retries(cmd, run_dir))
 
 
-def _run_forwarding_signals(cmd: list[str]) -> int:
+def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES) -> int:
+    """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything."""
+    for attempt in range(1 + retries):
+        started = time.time()
+        rc, tail = _run_forwarding_signals(cmd)
+        failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, tail)
+        if failure is None or attempt == retries:
+            return rc
+        print(f"[nanotron-recover] mpirun failed before any rank started ({failure!r}): launching again "
+              f"({attempt + 1}/{retries})", file=sys.stderr, flush=True)
+        time.sleep(LAUNCH_RETRY_PAUSE_S)
+    return rc
+
+
+def ranks_wrote_since(run_dir: Path, since: float) -> bool:
+    """Did a rank of the launch that began at ``since`` get far enough to write a step record or an exit record?"""
+    from nanotron_recover.metrics import METRICS_FILE
+    from nanotron_recover.train import EXITS_DIR
+
+    paths = [run_dir / METRICS_FILE, *(run_dir / EXITS_DIR).glob("rank-*.json")]
+    return any(path.exists() and path.stat().st_mtime >= since for path in paths)
+
+
+def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
+    """The PRRTE start-up failure that ended this launch, if any: the runtime itself did not come up (seen on a
+    loaded machine), no rank ran, and the same command is expected to work a moment later."""
+    if mpirun_rc in (EXIT_DONE, EXIT_BAD_INPUT):
+        return None
+    text = output_tail.decode(errors="replace")
+    return next((m for m in PRRTE_STARTUP_FAILURES if m in text), None)
+
+
+def _run_forwarding_signals(cmd: list[str]) -> tuple[int, bytes]:
     """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); SIGTERM,
-    SIGINT and SIGHUP sent to the launcher go on to mpirun, which ends the job."""
+    SIGINT and SIGHUP sent to the launcher go on to mpirun, which ends the job. Its output passes through
+    unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`)."""
     import signal
     import subprocess
+    import threading
 
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tail = bytearray()
+    lock = threading.Lock()
+
+    def pump(source, sink) -> None:
+        while chunk := os.read(source.fileno(), 65536):
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except (OSError, ValueError):  # our own output is gone: keep draining, or mpirun would block
+                pass
+            with lock:
+                tail.extend(chunk)
+                del tail[:-OUTPUT_TAIL_BYTES]
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
+    for thread in pumps:
+        thread.start()
     forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
     while True:
         try:
-            return proc.wait()
+            rc = proc.wait()
+            break
         except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
             continue
+    for thread in pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us here
+        thread.join(5.0)
+    with lock:
+        return rc, bytes(tail)
 
 
 def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:

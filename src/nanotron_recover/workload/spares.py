@@ -58,6 +58,7 @@ class ReplicaRoster:
         if not self.active:
             raise ValueError("need at least one active replica")
         self._slot = {r: r for r in self.active}
+        self._slots = tuple(self.active)  # the failure-free run's slots (its data-parallel width)
 
     @property
     def known(self) -> frozenset[int]:
@@ -90,6 +91,21 @@ class ReplicaRoster:
         self.spares = spares
         self.retired = sorted(self.retired + failed_active + failed_spares)
         return RosterChange(failed_active=tuple(failed_active), replacements=tuple(replacements))
+
+    def add_replica(self, replica: int) -> int | None:
+        """A replica formed from recycled ranks (:mod:`nanotron_recover.workload.recycle`) enters like a spare: it
+        takes the lowest free slot and computes from the next step (returns the slot), or, when every slot of the
+        failure-free width is held, waits as a spare (returns None)."""
+        replica = int(replica)
+        if replica < 0 or replica in self.known:
+            raise ValueError(f"replica id {replica} is negative or already used")
+        free = sorted(set(self._slots) - {self._slot[r] for r in self.active})
+        if not free:
+            self.spares = sorted(self.spares + [replica])
+            return None
+        self._slot[replica] = free[0]
+        self.active = sorted(self.active + [replica])
+        return free[0]
 
     def below_minimum(self, min_replicas: int) -> bool:
         """Whether fewer than ``min_replicas`` replicas are active (the run should fall back to a checkpoint)."""

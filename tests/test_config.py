@@ -181,3 +181,20 @@ def test_float16_is_refused_before_launch():
 
     with pytest.raises(ConfigError, match="model.dtype: torch.float16 is not supported"):
         check_runtime_inputs(_precision_config("float16", ft=False))
+
+
+def test_recycle_is_3d_only_and_keeps_the_global_batch():
+    with pytest.raises(ConfigError, match="fault_tolerance.recycle.*3D"):
+        config_from_dict(with_ft(recycle=True, replica="fsdp", fsdp_shard_size=2))
+    with pytest.raises(ConfigError, match="fault_tolerance.recycle.*keep_global_batch"):
+        config_from_dict(with_ft(recycle=True, keep_global_batch=False))
+    assert config_from_dict(with_ft(recycle=True)).fault_tolerance.recycle
+    assert not config_from_dict(with_ft()).fault_tolerance.recycle  # off unless asked
+
+
+def test_faults_may_name_a_formed_replica_only_when_recycling():
+    dp = stock_dict()["parallelism"]["dp"]
+    formed = [{"step": 2, "replica": dp, "rank": 0, "phase": "formation"}]  # the first formed replica's id
+    assert config_from_dict(with_ft(recycle=True, inject=formed)).fault_tolerance.inject[0].replica == dp
+    with pytest.raises(ConfigError, match=r"fault_tolerance.inject\[0\].replica"):
+        config_from_dict(with_ft(inject=formed))

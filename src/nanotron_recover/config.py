@@ -62,6 +62,9 @@ class FaultToleranceArgs:
         local_snapshot_dir: where (``/dev/shm`` by default: memory); one folder per run and node inside it.
         local_snapshot_max_gb: the most the snapshots of one node may take (two copies per rank); None: half the
             free space of ``local_snapshot_dir``. Checked before launch.
+        recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
+            replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
+            (:mod:`nanotron_recover.workload.recycle`). 3D replicas only for now.
     """
 
     enabled: bool = True
@@ -78,6 +81,7 @@ class FaultToleranceArgs:
     local_snapshot_interval: int = 1
     local_snapshot_dir: str = "/dev/shm/nanotron-recover"
     local_snapshot_max_gb: Optional[float] = None
+    recycle: bool = False
 
 
 @dataclass
@@ -231,21 +235,29 @@ def validate(config: RecoverConfig) -> None:
     _check(ft.local_snapshot_max_gb is None or ft.local_snapshot_max_gb > 0, "fault_tolerance.local_snapshot_max_gb",
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)
+    if ft.recycle:
+        _check(ft.replica == REPLICA_3D, "fault_tolerance.recycle",
+               "recycling survivors into new replicas supports 3D replicas only (replica: 3d), not HSDP yet")
+        _check(ft.keep_global_batch, "fault_tolerance.recycle",
+               "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")
+    # a replica formed from recycled ranks gets the next id: faults may be scheduled for it too
+    fault_ids = 2 * n_replicas - 1 if ft.recycle else n_replicas
     for i, inj in enumerate(ft.inject):
         key = f"fault_tolerance.inject[{i}]"
         for name, message in inj.problems():
             raise ConfigError(f"{key}.{name}: {message}")
         if inj.phase != "startup":
             _check(1 <= inj.step <= tok.train_steps, f"{key}.step", f"{inj.step} is outside 1..{tok.train_steps}")
-        _check(0 <= inj.replica < n_replicas, f"{key}.replica",
-               f"{inj.replica} is outside 0..{n_replicas - 1} (dp + spare_replicas)")
+        _check(0 <= inj.replica < fault_ids, f"{key}.replica",
+               f"{inj.replica} is outside 0..{fault_ids - 1} (dp + spare_replicas{', + formed replicas' if ft.recycle else ''})")
         _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
                f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (ranks per replica)")
         if inj.phase == "checkpoint":
             _check(config.checkpoints is not None and inj.step % config.checkpoints.checkpoint_interval == 0,
                    f"{key}.step", "a 'checkpoint' failure needs a step at which a checkpoint is saved")
     if ft.enabled and ft.inject:
-        killed = {inj.replica for inj in ft.inject if inj.phase != "startup"}  # a startup fault ends the job
+        # a startup fault ends the job; with recycling, a formed replica's id names no launched replica
+        killed = {inj.replica for inj in ft.inject if inj.phase != "startup" and inj.replica < n_replicas}
         if len(killed) > n_replicas - 1:
             raise ConfigError("fault_tolerance.inject: the schedule kills every replica; none would be left")
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 # "repair": the process dies inside the survivors' repair (after Shrink): a failure during recovery.
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload", "repair", "startup")
+# "formation": a member of a replica just formed from recycled ranks, its model built, before its state arrives
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload", "repair", "startup", "formation")
 SIGNALS = ("kill", "stop", "hang")
 # Where a ``startup`` fault lands, in start-up order.
 STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
@@ -117,10 +118,15 @@ class FailureInjector:
     ) -> None:
         """``fired_dir``: where a marker per fired entry is kept, so that a relaunch of the same run (resuming from
         a checkpoint, replaying the step) does not fire it again: a failure happens once per run."""
-        self.my_replica = my_replica
-        self.my_local_rank = my_local_rank
         self.schedule = parse_schedule(schedule)
         self.fired_dir = Path(fired_dir) if fired_dir is not None else None
+        self.retarget(my_replica, my_local_rank)
+
+    def retarget(self, my_replica: int, my_local_rank: int) -> None:
+        """This process is now local rank ``my_local_rank`` of replica ``my_replica`` (a replica formed from
+        recycled ranks): the entries for that name target it from now on."""
+        self.my_replica = my_replica
+        self.my_local_rank = my_local_rank
         self._mine = {
             (s.step, s.point): s
             for s in self.schedule

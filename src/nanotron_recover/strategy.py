@@ -45,6 +45,7 @@ class CommittedStep:
     epoch: int = 0
     live_replicas: int = 1
     recoveries: int = 0
+    quotas: dict[int, int] | None = None  # microbatches per computing replica (recycling: logged per step)
 
 
 class MetricsSink(Protocol):
@@ -73,6 +74,9 @@ class StepServices:
     fault_point: Callable[[int, str], None]  # (step, phase): progress for the hang monitor + fault injection
     metrics: MetricsSink
     last_record: Callable[[], "dict | None"]  # the last committed step's record (a new logging rank re-logs it)
+    # recycling: drop the model of the replica this rank left / build its new coordinate's over a parallel context
+    release_replica: Callable[[], None] = lambda: None
+    rebuild_replica: Callable[[Any], None] = lambda parallel_context: None
 
 
 class TrainingState(Protocol):
@@ -151,6 +155,10 @@ class DataParallelStrategy(ABC):
     def computes(self) -> bool:
         """Whether this rank computes microbatches (an idle spare does not)."""
         return True
+
+    def pool_ranks(self) -> list[int] | None:
+        """The ranks waiting in the pool of recycled survivors (None: this strategy does not recycle)."""
+        return None
 
     def checkpoint_layout(self) -> "CheckpointLayout | None":
         """What goes inside a checkpoint folder (None: nanotron's format)."""

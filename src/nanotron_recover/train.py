@@ -180,6 +180,14 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
             code, reason = EXIT_DONE, f"evicted after {type(error).__name__}: {e}"
             print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
         else:
+            if dp.ft.pooled:  # recycling: moved to the pool at a point it cannot rejoin from; the others see it go
+                code, reason = EXIT_DONE, f"left the pool after {type(error).__name__}: {error}"
+                print(f"[nanotron-recover] rank {dp.ft.rank}: {reason}; raised at:\n"
+                      + "".join(traceback.format_tb(error.__traceback__)[-4:]), flush=True)
+                dp.ft.leave()
+                dp.on_exit(code, reason)
+                dp.shutdown(code=code)
+                return code
             # A bug, not a fault: the same error would hit every replica. Abort the whole job at once instead of
             # leaving the other ranks to wait out their torch timeouts.
             traceback.print_exc()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -60,6 +61,27 @@ class RecoverTrainer:
         )
         self._current_step = 0  # read by the phase hooks
 
+        self._build_replica_state()
+        self.engine = build_engine(config.parallelism.pp_engine)
+        self.dataset = build_dataset(
+            config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
+        )
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
+        if self.metrics.enabled:
+            self.metrics.start_wandb()  # during setup, not as a gap between the first steps
+        self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
+        self.step = 0
+        self.services = StepServices(
+            compute=self.compute, fault_point=self._fault_point, metrics=self.metrics, last_record=lambda: self.last_record,
+            release_replica=self._release_replica_state, rebuild_replica=self._rebuild_replica_state,
+        )
+        self.grad_norm: float | None = None
+        self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
+
+    # ----------------------------------------------------------------------------------------------- building
+    def _build_replica_state(self) -> None:
+        """Model, gradient layout, optimizer and LR schedule of this rank's coordinate, over ``parallel_context``."""
+        config = self.config
         self.model = build_llama(
             config.model.model_config,
             parallel_context=self.parallel_context,
@@ -78,23 +100,28 @@ class RecoverTrainer:
         self.lr_scheduler = lr_scheduler_builder(
             self.optimizer, config.optimizer.learning_rate_scheduler, total_training_steps=config.tokens.train_steps
         )
-        self.engine = build_engine(config.parallelism.pp_engine)
-        self.dataset = build_dataset(
-            config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
-        )
         self._install_phase_hooks()
-        self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
-        if self.metrics.enabled:
-            self.metrics.start_wandb()  # during setup, not as a gap between the first steps
-        self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
-        self.step = 0
-        self.services = StepServices(
-            compute=self.compute, fault_point=self._fault_point, metrics=self.metrics, last_record=lambda: self.last_record
-        )
-        self.grad_norm: float | None = None
-        self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
 
-    # ----------------------------------------------------------------------------------------------- building
+    def _release_replica_state(self) -> None:
+        """This rank left its replica for the pool (recycling): drop everything built over the replica's torch
+        world, so that the world's sockets close and a replica-mate still waiting on us gets an error at once
+        (gloo closes a connection only when the last reference to its process group is gone)."""
+        self.model = self.engine_model = self.unwrapped_model = None  # type: ignore[assignment]
+        self.optimizer = self.lr_scheduler = None
+        self.named_params = []
+        self.parallel_context = None
+
+    def _rebuild_replica_state(self, parallel_context) -> None:
+        """This pool rank joined a new replica: build its coordinate's model over the new torch world, and bring
+        the LR schedule to the current step (parameters and optimizer state then come from a live replica)."""
+        self.parallel_context = parallel_context
+        self.injector.retarget(self.dp.replica, self.dp.local_rank)
+        self._build_replica_state()
+        with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: here on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for _ in range(self._current_step):  # formed after the commit of this step, whose LR step is done
+                self.lr_scheduler.step()
+
     def _build_optimizer(self) -> NamedOptimizer | OptimizerFromGradientAccumulator:
         """AdamW over the parameters (fp32), or nanotron's mixed-precision recipe (bf16): AdamW over fp32 masters
         whose gradients are the fp32 buckets' ``main_grad`` views, the bf16 parameters refreshed after each step."""
@@ -212,7 +239,8 @@ class RecoverTrainer:
             self.dp.sync_tied_gradients(self)
             self.grad_norm = self._clip()
             self.optimizer.step()
-        self.lr_scheduler.step()
+        if self.lr_scheduler is not None:  # None: a rank in the pool (recycling) holds no model
+            self.lr_scheduler.step()
         self.dp.zero_grad(self)
         self.dp.after_commit(step, self, self.services)  # e.g. spare activation, state transfer
         return result
@@ -237,7 +265,7 @@ class RecoverTrainer:
             "step": self.step,
             "time": time.time(),  # when the step was committed (to line up with fault times)
             "loss": result.loss,
-            "lr": self.lr_scheduler.get_last_lr()[0],
+            "lr": self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else None,
             "grad_norm": self.grad_norm,
             "microbatches": result.microbatches,
             "tokens": tokens_per_step,
@@ -248,6 +276,11 @@ class RecoverTrainer:
             "epoch": result.epoch,
             "recoveries": result.recoveries,
         }
+        pool = self.dp.pool_ranks()
+        if pool is not None:
+            record["pool_ranks"] = pool
+        if result.quotas is not None:
+            record["quotas"] = {str(r): n for r, n in sorted(result.quotas.items())}
         self.last_record = record
         self.metrics.set_logging(self.dp.is_logging_rank())
         if not self.dp.is_logging_rank():

@@ -34,6 +34,8 @@ class InMemoryWorld:
 
     def __init__(self, n_replicas: int, active: list[int]) -> None:
         self.rank, self.epoch = 0, 0
+        self.replica, self.local_rank, self.pooled = 0, 0, False
+        self.events: list[RepairEvent] = []
         self.active_replicas = list(active)
         self.live_ranks = list(range(n_replicas))
         self.evicted = self.starting = False
@@ -79,7 +81,8 @@ class InMemoryWorld:
         self.live_ranks = [r for r in self.live_ranks if r not in failed]
         self.active_replicas = [r for r in self.active_replicas if r not in failed]
         self.others_per_microbatch, self.others_microbatches = self.after_repair
-        return RepairEvent(self.epoch, failed, failed, [], self.live_ranks, self.active_replicas)
+        self.events.append(RepairEvent(self.epoch, failed, failed, [], self.live_ranks, self.active_replicas))
+        return self.events[-1]
 
     def set_active_replicas(self, replicas) -> None:
         self.active_replicas = sorted(replicas)

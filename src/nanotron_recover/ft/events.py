@@ -11,7 +11,8 @@ class RepairEvent:
     """One completed repair.
 
     ``failed_ranks`` are ORIGINAL world ranks that died (identical on every survivor: it is derived from the
-    ``Shrink`` result); ``evicted_ranks`` are the alive ranks of failed replicas that left the world.
+    ``Shrink`` result); ``evicted_ranks`` are the alive ranks of failed replicas that left the world, or, when
+survivors are recycled, ``pooled`` holds them instead (they stay in the world, in no replica).
     Phase times are milliseconds: ``detect_ms`` runs from this rank's first failure notice to the start of the
     repair, ``total_ms`` from the start of the repair to its end.
     """
@@ -30,6 +31,7 @@ class RepairEvent:
     rebuild_ms: float = 0.0
     total_ms: float = 0.0
     by_watcher: bool = False
+    pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # recycle: {rank: (old replica, coordinate)}
     wall_time: float = 0.0  # time.time() when the repair finished (to line up with other processes' logs)
     extra: dict[str, Any] = field(default_factory=dict)
 

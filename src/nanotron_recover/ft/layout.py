@@ -48,6 +48,64 @@ class ReplicaLayout:
         return replica * self.ranks_per_replica + local_rank
 
 
+class ReplicaAssignment:
+    """Which replica and coordinate each live rank holds *now*: the original grid, until survivors of broken
+    replicas are recycled (``fault_tolerance.recycle``): they then belong to no replica (the pool) until a new
+    replica is formed from them, with a new id and possibly other coordinates.
+
+    Same lookups as :class:`ReplicaLayout` (the repair and the communicator splits take either); every rank
+    applies the same changes at the same points (repair, formation), so the assignment is the same everywhere.
+    """
+
+    def __init__(self, layout: ReplicaLayout) -> None:
+        self.layout = layout
+        self.ranks_per_replica = layout.ranks_per_replica
+        self._of: dict[int, tuple[int, int] | None] = {
+            r: (layout.replica_of(r), layout.local_rank_of(r)) for r in range(layout.world_size)}
+        self._ranks: dict[int, list[int]] = {k: layout.ranks_of(k) for k in range(layout.n_replicas)}
+
+    def replica_of(self, rank: int) -> int | None:
+        slot = self._of.get(rank)
+        return None if slot is None else slot[0]
+
+    def local_rank_of(self, rank: int) -> int | None:
+        slot = self._of.get(rank)
+        return None if slot is None else slot[1]
+
+    def ranks_of(self, replica: int) -> list[int]:
+        return list(self._ranks[replica])
+
+    def replicas_of(self, ranks: Iterable[int]) -> list[int]:
+        return sorted({k for k in (self.replica_of(r) for r in ranks) if k is not None})
+
+    def world_rank(self, replica: int, local_rank: int) -> int:
+        return self._ranks[replica][local_rank]
+
+    @property
+    def next_replica_id(self) -> int:
+        return max(self._ranks) + 1
+
+    def to_pool(self, ranks: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """These ranks leave their replicas for the pool; returns ``{rank: (old replica, old coordinate)}``."""
+        origin = {}
+        for rank in sorted(set(ranks)):
+            slot = self._of.get(rank)
+            if slot is not None:
+                origin[rank] = slot
+                self._of[rank] = None
+        return origin
+
+    def assign(self, replica: int, ranks: Sequence[int]) -> None:
+        """A new replica of these pool ranks, ``ranks[i]`` taking coordinate ``i``."""
+        if replica in self._ranks or len(ranks) != self.ranks_per_replica:
+            raise ValueError(f"replica {replica}: id in use, or not {self.ranks_per_replica} ranks: {list(ranks)}")
+        if any(self._of.get(r) is not None for r in ranks):
+            raise ValueError(f"ranks {list(ranks)} are not all in the pool")
+        self._ranks[replica] = list(ranks)
+        for coordinate, rank in enumerate(ranks):
+            self._of[rank] = (replica, coordinate)
+
+
 def original_ranks(comm: "MPI.Comm", original_group: "MPI.Group") -> list[int]:
     """ORIGINAL world ranks of ``comm``'s members, in ``comm`` rank order."""
     from mpi4py import MPI
@@ -60,18 +118,20 @@ def original_ranks(comm: "MPI.Comm", original_group: "MPI.Group") -> list[int]:
 
 
 def split_coord_comm(
-    world_comm: "MPI.Comm", layout: ReplicaLayout, my_rank: int, active_replicas: Sequence[int]
+    world_comm: "MPI.Comm", layout: "ReplicaLayout | ReplicaAssignment", my_rank: int, active_replicas: Sequence[int]
 ) -> "MPI.Comm | None":
     """Collective over ``world_comm``: one communicator per local rank across the active replicas.
 
-    Keyed by original rank, so coord rank ``i`` is the i-th active replica in ascending order.  A rank of an
-    inactive (spare) replica gets ``None``.
+    Keyed by replica id, so coord rank ``i`` is the i-th active replica in ascending order (on the original grid
+    the same as keying by rank; a replica formed from recycled ranks has a new, higher id whatever its ranks).
+    A rank of an inactive (spare) replica, or of the pool, gets ``None``.
     """
     from mpi4py import MPI
 
-    active = layout.replica_of(my_rank) in set(active_replicas)
+    replica = layout.replica_of(my_rank)
+    active = replica is not None and replica in set(active_replicas)
     color = layout.local_rank_of(my_rank) if active else MPI.UNDEFINED
-    comm = world_comm.Split(color, my_rank)
+    comm = world_comm.Split(color, replica if active else 0)
     if comm == MPI.COMM_NULL:
         return None
     comm.Set_errhandler(MPI.ERRORS_RETURN)

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from .errors import FailureDetected, error_class
 from .events import RepairEvent
-from .layout import ReplicaLayout, original_ranks, split_coord_comm, try_revoke
+from .layout import ReplicaAssignment, ReplicaLayout, original_ranks, split_coord_comm, try_revoke
 
 MAX_ATTEMPTS = 16
 # Agree flags on the world communicator: bit 0 is the caller's flag, bit 1 says "not repairing".
@@ -51,6 +51,7 @@ class _Exclusion:
     failed_replicas: list[int]
     evicted_ranks: list[int]
     new_active: list[int]
+    pooled: list[int]
 
 
 def _release_peers(world_comm: MPI.Comm, coord_comm: MPI.Comm | None, entry_agree: bool) -> None:
@@ -69,18 +70,20 @@ def _release_peers(world_comm: MPI.Comm, coord_comm: MPI.Comm | None, entry_agre
             pass
 
 
-def _exclusion(shrunk: MPI.Comm, original_group: MPI.Group, before: set[int], layout: ReplicaLayout,
-               active_replicas: Sequence[int]) -> _Exclusion:
-    """The dead ranks, their whole replicas, and the alive ranks of those replicas, who leave too."""
+def _exclusion(shrunk: MPI.Comm, original_group: MPI.Group, before: set[int], layout: ReplicaLayout | ReplicaAssignment,
+               active_replicas: Sequence[int], recycle: bool) -> _Exclusion:
+    """The dead ranks, their whole replicas, and the alive ranks of those replicas, who leave too (or, with
+    ``recycle``, stay in the world as the pool: :attr:`_Exclusion.evicted_ranks` is then empty)."""
     members = original_ranks(shrunk, original_group)
     dead = sorted(before - set(members))
-    failed_replicas = layout.replicas_of(dead)
-    evicted_ranks = sorted(r for r in members if layout.replica_of(r) in set(failed_replicas))
+    failed_replicas = layout.replicas_of(dead)  # a dead pool rank breaks no replica
+    orphaned = sorted(r for r in members if layout.replica_of(r) in set(failed_replicas))
     new_active = [r for r in active_replicas if r not in set(failed_replicas)]
-    return _Exclusion(members, dead, failed_replicas, evicted_ranks, new_active)
+    return _Exclusion(members, dead, failed_replicas, [] if recycle else orphaned, new_active,
+                      pooled=orphaned if recycle else [])
 
 
-def _rebuild(shrunk: MPI.Comm, layout: ReplicaLayout, my_rank: int, evicted: bool,
+def _rebuild(shrunk: MPI.Comm, layout: ReplicaLayout | ReplicaAssignment, my_rank: int, evicted: bool,
              new_active: Sequence[int]) -> tuple[MPI.Comm | None, MPI.Comm | None, int]:
     """The new world and coordinate communicators (the evicted take part in the first split only, with
     UNDEFINED); ``ok`` is 0 if this rank's rebuild failed (a new failure): the commit Agree then retries."""
@@ -105,18 +108,21 @@ def run_repair(
     coord_comm: MPI.Comm | None,
     live_ranks: Sequence[int],
     original_group: MPI.Group,
-    layout: ReplicaLayout,
+    layout: ReplicaLayout | ReplicaAssignment,
     my_rank: int,
     active_replicas: Sequence[int],
     new_epoch: int,
     entry_agree: bool = True,
     hook: Callable[[str, int], None] | None = None,
+    recycle: bool = False,
 ) -> RepairOutcome:
     """Collective among all survivors of ``world_comm``; see the module docstring.
 
     ``entry_agree`` must be False when this rank's failure was reported by its commit Agree itself: that Agree
     already matched the peers' entry Agree (each rank performs exactly one Agree per step/repair boundary).
     ``hook(point, attempt)`` is called at "after_shrink" and "after_rebuild" (failure injection for tests).
+    ``recycle``: the alive ranks of failed replicas stay (``event.pooled``); the caller moves them to the pool of
+    a :class:`ReplicaAssignment` (the coordinate split already leaves them out: their replica is not active).
     """
     t_start = time.perf_counter()
     event = RepairEvent(new_epoch, [], [], [], [], [])
@@ -140,7 +146,7 @@ def run_repair(
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         if hook is not None:
             hook("after_shrink", attempt)
-        out = _exclusion(shrunk, original_group, before, layout, active_replicas)
+        out = _exclusion(shrunk, original_group, before, layout, active_replicas, recycle)
         evicted = my_rank in out.evicted_ranks
 
         t0 = time.perf_counter()
@@ -166,9 +172,11 @@ def run_repair(
         event.failed_ranks = out.dead
         event.failed_replicas = out.failed_replicas
         event.evicted_ranks = out.evicted_ranks
+        event.pooled = {r: (layout.replica_of(r), layout.local_rank_of(r)) for r in out.pooled}
         event.active_replicas = out.new_active
         live = [] if evicted else original_ranks(new_world, original_group)  # type: ignore[arg-type]
-        event.live_replicas = layout.replicas_of(r for r in out.members if r not in set(out.evicted_ranks))
+        leaving = set(out.evicted_ranks) | set(out.pooled)
+        event.live_replicas = layout.replicas_of(r for r in out.members if r not in leaving)
         event.total_ms = _ms(t_start)
         return RepairOutcome(new_world, new_coord, live, event, evicted)
 

@@ -23,7 +23,7 @@ from .errors import FailureDetected, ReplicaEvicted, error_class
 from .events import RepairEvent
 from .hang import HangMonitor
 from .hang_policy import HangPolicy, MainThreadProgress
-from .layout import ReplicaLayout, split_coord_comm, try_revoke
+from .layout import ReplicaAssignment, ReplicaLayout, split_coord_comm, try_revoke
 from .repair import HEALTHY_BIT, run_repair
 from .watcher import FailureWatcher
 
@@ -60,6 +60,8 @@ class FTWorld:
         on_startup_failure: called (in the watcher thread) with the dead ranks when a rank dies before
             :meth:`complete_startup`; nothing can be recovered then (the caller ends the job). None: no special case.
         notice_timeout_s: the longest a death may take to be noticed (the launcher's failure-detector timeout).
+        recycle: the alive ranks of a failed replica stay in the world as the *pool* (no replica) instead of
+            leaving; :meth:`form_replica` makes a new replica of them (``fault_tolerance.recycle``).
     """
 
     def __init__(
@@ -74,11 +76,12 @@ class FTWorld:
         on_evict: Callable[[ReplicaEvicted], None] | None = None,
         on_startup_failure: Callable[[frozenset[int]], None] | None = None,
         notice_timeout_s: float = DETECTOR_HEARTBEAT_TIMEOUT_S,
+        recycle: bool = False,
     ) -> None:
-        self.layout = ReplicaLayout(comm.Get_size(), ranks_per_replica)
+        self.layout = ReplicaLayout(comm.Get_size(), ranks_per_replica)  # the original grid (the hang monitor's)
+        self.assignment = ReplicaAssignment(self.layout)  # who holds which replica and coordinate now
+        self.recycle = recycle
         self.rank: int = comm.Get_rank()
-        self.replica: int = self.layout.replica_of(self.rank)
-        self.local_rank: int = self.layout.local_rank_of(self.rank)
         self.epoch: int = 0
         self.events: list[RepairEvent] = []
         self.evicted: bool = False
@@ -171,8 +174,25 @@ class FTWorld:
 
     # ------------------------------------------------------------------ views
     @property
+    def replica(self) -> int | None:
+        """My replica now (None: I am in the pool of recycled ranks)."""
+        return self.assignment.replica_of(self.rank)
+
+    @property
+    def local_rank(self) -> int | None:
+        return self.assignment.local_rank_of(self.rank)
+
+    @property
+    def pooled(self) -> bool:
+        return not self.evicted and self.replica is None
+
+    @property
+    def pool_ranks(self) -> list[int]:
+        return [r for r in self.live_ranks if self.assignment.replica_of(r) is None]
+
+    @property
     def live_replicas(self) -> list[int]:
-        return self.layout.replicas_of(self.live_ranks)
+        return self.assignment.replicas_of(self.live_ranks)
 
     @property
     def spare_replicas(self) -> list[int]:
@@ -204,7 +224,7 @@ class FTWorld:
         if comm == "coord":
             root = self.active_replicas.index(root_replica)
         else:
-            root = self.live_ranks.index(self.layout.world_rank(root_replica, 0))
+            root = self.live_ranks.index(self.assignment.world_rank(root_replica, 0))
         with self._guard(f"bcast({comm})", c):
             c.Bcast(buf, root=root)
         return buf
@@ -259,7 +279,7 @@ class FTWorld:
         active = self._check_replicas(replicas)
         c = self._comm("world")
         with self._guard("set_active_replicas", c):
-            new_coord = split_coord_comm(c, self.layout, self.rank, active)
+            new_coord = split_coord_comm(c, self.assignment, self.rank, active)
         old, self.coord_comm, self.active_replicas = self.coord_comm, new_coord, active
         if old is not None:
             try:
@@ -267,7 +287,33 @@ class FTWorld:
             except MPI.Exception:
                 pass
 
+    def form_replica(self, replica: int, ranks: Sequence[int]) -> MPI.Comm | None:
+        """Collective over the world: pool ranks ``ranks`` become replica ``replica`` (``ranks[i]`` at coordinate
+        ``i``); returns, on its members, a communicator over them in coordinate order (for the torch rendezvous).
+        Every rank applies the same assignment; the caller then widens the reduction (:meth:`set_active_replicas`)."""
+        self.assignment.assign(replica, ranks)
+        c = self._comm("world")
+        member = self.rank in set(ranks)
+        with self._guard("form_replica", c):
+            comm = c.Split(replica if member else MPI.UNDEFINED, self.assignment.local_rank_of(self.rank) or 0)
+        if comm == MPI.COMM_NULL:
+            return None
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        return comm
+
     # ----------------------------------------------------------------- repair
+    def repair_if_pending(self) -> RepairEvent | None:
+        """The main thread after an error in intra-replica torch traffic: repair, unless the watcher already did
+        (a dead rank of the world that is no longer in it)."""
+        with self._op_lock:
+            if not self.failure_pending():
+                return None
+            self.progress.waiting("repair")
+            try:
+                return self._repair_locked(by_watcher=False)
+            finally:
+                self.progress.resume()
+
     def repair(self) -> RepairEvent:
         """Collective among ALL survivors of the world (active, spares, and alive ranks of failed replicas).
 
@@ -293,14 +339,16 @@ class FTWorld:
             self.coord_comm,
             self.live_ranks,
             self._original_group,
-            self.layout,
+            self.assignment,
             self.rank,
             self.active_replicas,
             self.epoch + 1,
             entry_agree=entry_agree,
             hook=self.repair_hook,
+            recycle=self.recycle,
         )
         event = outcome.event
+        self.assignment.to_pool(event.pooled)
         event.by_watcher = by_watcher
         event.extra["cause"] = self._cause or {"op": "watcher" if by_watcher else "caller", "error_class": -1,
                                                "detail": "failure notice" if by_watcher else "repair requested"}
@@ -342,7 +390,9 @@ class FTWorld:
         with self._state_lock:
             for r in dead:
                 self._notice_times.setdefault(r, notice)
-        own = sorted(r for r in dead if r in self._live_set and self.layout.replica_of(r) == self.replica)
+        mine = self.replica
+        own = sorted(r for r in dead if r in self._live_set and mine is not None
+                     and self.assignment.replica_of(r) == mine)
         if dead & self._live_set:
             self.had_failure = True
             if self.starting and self._on_startup_failure is not None:
@@ -357,10 +407,10 @@ class FTWorld:
             if self.evicted:
                 return
         try:
-            if self.evicted:
+            if self.evicted or not (self.watcher.dead_ranks & self._live_set):  # the main thread repaired
                 return
             try:
-                self._repair_locked(by_watcher=True)
+                self._repair_locked(by_watcher=True)  # recycle: I am in the pool now; the main thread follows
             except ReplicaEvicted as exc:
                 self._exit_evicted(exc)
             except Exception as exc:  # noqa: BLE001 - we are leaving anyway; say why
@@ -377,6 +427,13 @@ class FTWorld:
             except Exception as cb_exc:  # noqa: BLE001
                 self._log(f"[ft rank {self.rank}] on_evict callback failed: {cb_exc!r}")
         self._exit_now(0)
+
+    def leave(self) -> None:
+        """Leave the world without a word (a rank of the pool that cannot follow the others any more): the
+        others see it as a death of a pool rank. :meth:`shutdown` then exits without the closing barrier."""
+        self.evicted = True
+        self.world_comm = self.coord_comm = None
+        self.live_ranks, self._live_set = [], frozenset()
 
     # --------------------------------------------------------------- shutdown
     def shutdown(self, had_failure: bool | None = None, code: int = 0) -> None:
@@ -471,7 +528,7 @@ class FTWorld:
 
     def _check_replicas(self, replicas: Sequence[int] | range) -> list[int]:
         out = sorted(set(int(r) for r in replicas))
-        live = set(self.layout.replicas_of(self.live_ranks))
+        live = set(self.assignment.replicas_of(self.live_ranks))
         bad = [r for r in out if r not in live]
         if bad:
             raise ValueError(f"replicas {bad} are not live (live: {sorted(live)})")

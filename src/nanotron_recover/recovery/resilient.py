@@ -13,6 +13,7 @@ Spares replace failed replicas at the next step boundary, after a state copy fro
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from nanotron_recover.exit_codes import EXIT_RESTART
 from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.nanotron_compat.process_groups import forget_process_groups
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
 from nanotron_recover.recovery.local_snapshot import LocalSnapshots
 from nanotron_recover.recovery.optim_state import ensure_adam_state, state_tensors
@@ -45,6 +47,7 @@ from nanotron_recover.strategy import (
     fp32_accumulator,
 )
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
+from nanotron_recover.workload.recycle import RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
 from nanotron_recover.world import init_replica_torch_world
 
@@ -82,6 +85,8 @@ class ResilientDataParallel(DataParallelStrategy):
         self.M = config.microbatches_per_step
         self.min_replicas = ft_args.min_replicas
         self.keep_global_batch = ft_args.keep_global_batch
+        self.recycle = ft_args.recycle
+        self._timeout_s = timeout_s
         world = MPI.COMM_WORLD if ft is None else None
         if world is not None and world.Get_size() != config.world_size:
             raise SystemExit(
@@ -102,13 +107,17 @@ class ResilientDataParallel(DataParallelStrategy):
         self.hang_policy = HangPolicy(fixed_timeout_s=ft_args.hang_timeout_s, io_allowance_s=ft_args.startup_timeout_s)
         if ft is None:
             ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict,
-                         on_startup_failure=self._on_startup_failure)
+                         on_startup_failure=self._on_startup_failure, recycle=self.recycle)
             replica_comm = ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
             init_replica_torch_world(replica_comm, timeout_s)
             replica_comm.Free()
             parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
         self.ft = ft
         self.parallel_context = parallel_context
+        self.pool = RankPool(rpr, hosts=getattr(ft, "hosts", None))  # recycled survivors (recycle: true)
+        self._applied = len(ft.events)  # repair events already applied to the roster and the pool
+        self._pool_before: list[int] = []
+        self._formed_at: float | None = None  # perf_counter() when the last new replica was formed
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
         self._step_started = 0.0
@@ -132,7 +141,10 @@ class ResilientDataParallel(DataParallelStrategy):
         return AttachedModel(model=model, unwrapped=model, named_params=named_params)
 
     def computes(self) -> bool:
-        return self.replica in self.ft.active_replicas
+        return self.replica is not None and self.replica in self.ft.active_replicas
+
+    def pool_ranks(self) -> list[int] | None:
+        return self.ft.pool_ranks if self.recycle else None
 
     # ------------------------------------------------------------------------------------------------- start-up
     def startup_complete(self) -> None:
@@ -195,7 +207,17 @@ class ResilientDataParallel(DataParallelStrategy):
             except FailureDetected:
                 recoveries += 1
                 plan, todo = self._recover(services, step, plan)
-        self.buckets.release(step)  # committed: the snapshots are no longer needed
+                continue
+            except Exception:  # noqa: BLE001 - torch traffic inside the replica broke: pooled, or re-raised
+                repaired = self._repairs_that_pooled_me(services, step)
+                if repaired is None:
+                    raise
+            gc.collect()  # the torch error's traceback held the old replica's process groups: now they close
+            recoveries += 1
+            work = LocalWork()  # what this rank computed belonged to its broken replica
+            plan, todo = self._recover(services, step, plan, repaired)
+        if self.buckets is not None:
+            self.buckets.release(step)  # committed: the snapshots are no longer needed
         committed = int(round(self._stats[1]))
         loss = float(self._stats[0])
         if committed != self.M:
@@ -210,6 +232,7 @@ class ResilientDataParallel(DataParallelStrategy):
             epoch=self.ft.epoch,
             live_replicas=len(plan),
             recoveries=recoveries,
+            quotas={r: len(v) for r, v in plan.items()} if self.recycle else None,
         )
 
     def join_repair_after_error(self) -> None:
@@ -222,7 +245,23 @@ class ResilientDataParallel(DataParallelStrategy):
         # a torch error inside the replica: a replica-mate died, or hangs and the hang monitor will kill it
         if self.ft.starting or not self.ft.wait_for_failure_notice(extra_s=self.hang_policy.timeout_s + KILL_CONFIRM_S):
             return
-        self.ft.repair()
+        self.ft.repair_if_pending()  # unless the watcher already did
+
+    def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:
+        """Recycling, after a torch error in compute: if a replica-mate's death moved this rank to the pool (by the
+        watcher's repair, or by ours now), the repairs this rank had not applied yet; else None (not our fault)."""
+        if not self.recycle or self.ft.starting:
+            return None
+        if not self.ft.pooled and not self.ft.wait_for_failure_notice(
+                extra_s=self.hang_policy.timeout_s + KILL_CONFIRM_S):
+            return None
+        first = self._applied
+        event = self.ft.repair_if_pending()  # None: the watcher repaired while the main thread was in torch
+        if event is not None:
+            self._log_repair(services, step, "in-step", event)
+        events = self.ft.events[first:]
+        self._apply_repairs(services)
+        return events if self.ft.pooled else None
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.
@@ -248,16 +287,19 @@ class ResilientDataParallel(DataParallelStrategy):
         self.ft.allreduce_sum_(self._stats, "world")
 
     def _repair(self, services: StepServices, step: int, phase: str) -> RepairEvent:
-        """Repair the world (``ReplicaEvicted`` on a rank of a failed replica), update the roster, log the event.
-
-        The new lowest live rank takes over logging, re-logging the last committed step in case the old logger
-        died before writing it.
-        """
+        """Repair the world (``ReplicaEvicted`` on a rank of a failed replica, unless recycling keeps it in the
+        pool), update the roster, log the event."""
         self.ft.repair_hook = lambda point, attempt: (
             services.fault_point(step, "repair") if point == "after_shrink" else None
         )
         event = self.ft.repair()
-        change = self.roster.on_failure(event.failed_replicas)
+        self._log_repair(services, step, phase, event)
+        return event
+
+    def _log_repair(self, services: StepServices, step: int, phase: str, event: RepairEvent) -> None:
+        """Apply the repair to the roster (and the pool) and log it. The new lowest live rank takes over logging,
+        re-logging the last committed step in case the old logger died before writing it."""
+        changes = self._apply_repairs(services)
         metrics = services.metrics
         if self.is_logging_rank() and not metrics.enabled:
             metrics.set_logging(True)
@@ -265,7 +307,7 @@ class ResilientDataParallel(DataParallelStrategy):
             if last is not None:
                 metrics.log_step(last)
         record = {"event": "repair", "step": step, "phase": phase, **event.as_dict(),
-                  "activated_spares": list(change.activated)}
+                  "activated_spares": [s for change in changes for s in change.activated]}
         if not event.failed_ranks:
             # Seen (rarely, under heavy load and after failures): the commit Agree came back, uniformly, without
             # the healthy bit although no rank was repairing. Every rank then enters the repair alike, Shrink
@@ -273,24 +315,64 @@ class ResilientDataParallel(DataParallelStrategy):
             # logged as what it is, apart from the repairs of real failures.
             record["event"] = REPAIR_WITHOUT_FAILURE
         metrics.log_event(record)
-        if change.replacements:
-            self._pending_activation = True
-        return event
+        if self.recycle and (event.pooled or set(event.failed_ranks) & set(self._pool_before)):
+            metrics.log_event({"event": "pool_changed", "step": step, "epoch": event.epoch,
+                               "joined": sorted(event.pooled),
+                               "died": sorted(set(event.failed_ranks) & set(self._pool_before)),
+                               "pool_ranks": self.pool.ranks})
 
-    def _recover(self, services: StepServices, step: int, plan: Plan) -> tuple[Plan, list[int]]:
-        """Repair, restore the local sums, and hand the failed replicas' microbatches to the survivors."""
-        event = self._repair(services, step, "in-step")
-        survivors = [r for r in plan if r not in event.failed_replicas]
+    def _apply_repairs(self, services: StepServices) -> list:
+        """Every repair this rank has not applied yet (the watcher's too) goes into the roster and the pool, in
+        order; the same on every rank. A rank moved to the pool drops its replica's model and torch world."""
+        changes = []
+        self._pool_before = self.pool.ranks
+        for event in self.ft.events[self._applied:]:
+            changes.append(self.roster.on_failure(event.failed_replicas))
+            if self.recycle:
+                self.pool.remove(event.failed_ranks)
+                self.pool.add(event.pooled)
+        self._applied = len(self.ft.events)
+        if any(change.replacements for change in changes):
+            self._pending_activation = True
+        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
+        if self.recycle and self.ft.pooled and self.parallel_context is not None:
+            self._leave_replica(services)
+        return changes
+
+    def _leave_replica(self, services: StepServices) -> None:
+        """Pooled: drop the model and the replica's torch world, so that a replica-mate still waiting on this rank
+        in torch traffic gets an error now instead of at its timeout (gloo closes a connection only when the last
+        reference to its process group is gone)."""
+        services.release_replica()
+        self.parallel_context = None
+        self.buckets = None
+        if self.snapshots is not None:
+            self.snapshots.finish()
+            self.snapshots = None
+        try:
+            forget_process_groups()
+        except Exception as e:  # noqa: BLE001 - a broken world may not tear down cleanly; the references go anyway
+            print(f"[nanotron-recover] rank {self.ft.rank}: torch world of the old replica: {e!r}", flush=True)
+
+    def _recover(self, services: StepServices, step: int, plan: Plan,
+                 repaired: list[RepairEvent] | None = None) -> tuple[Plan, list[int]]:
+        """Repair (unless ``repaired`` says it was done), restore the local sums, and hand the failed replicas'
+        microbatches to the survivors."""
+        events = repaired if repaired is not None else [self._repair(services, step, "in-step")]
+        failed = sorted({r for event in events for r in event.failed_replicas})
+        survivors = [r for r in plan if r not in failed]
         if not survivors or self.roster.below_minimum(self.min_replicas):
             raise BelowMinimumReplicas(len(survivors), self.min_replicas, last_committed_step=step - 1)
-        if self.buckets.has_snapshot(step):
+        if self.buckets is not None and self.buckets.has_snapshot(step):
             self.buckets.restore(step)
-        orphans = orphans_of(plan, event.failed_replicas) if self.keep_global_batch else []
+        orphans = orphans_of(plan, failed) if self.keep_global_batch else []
         extra = replan_orphans(orphans, survivors, plan)
-        return merge(plan, extra, event.failed_replicas), extra.get(self.replica, [])
+        return merge(plan, extra, failed), (extra.get(self.replica, []) if self.replica is not None else [])
 
     # ------------------------------------------------------------------------------------------------- commit
     def zero_grad(self, state: TrainingState) -> None:
+        if self.buckets is None:  # in the pool: no model
+            return
         self.buckets.zero_()
         accumulator = fp32_accumulator(state)
         if accumulator is not None:
@@ -298,13 +380,15 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
         """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
-        self.progress(step, "spare-activation")
         donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step
+        if self.recycle:
+            self._form_replicas(step, state, services)
+        self.progress(step, "spare-activation")
         while self._pending_activation:
             try:
                 new = set(self.roster.active) - donors
                 self.ft.set_active_replicas(self.roster.active)
-                if new:
+                if new and self.computes():  # over the coordinate groups of the active replicas
                     self._copy_state_to_new_replicas(state, services, donor=min(donors), new=new)
                 self._pending_activation = False
             except FailureDetected:
@@ -321,16 +405,48 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.snapshots = None
         self.hang_policy.record_step(time.monotonic() - self._step_started)
 
+    def _form_replicas(self, step: int, state: TrainingState, services: StepServices) -> None:
+        """Recycling, at a step boundary: while the pool holds a replica's worth of ranks, make a new replica of
+        them (the same choice on every rank: :class:`RankPool`). Its members start a torch world of their own and
+        build their new coordinate's model; it takes a free slot (its state then comes from a live replica with
+        the spare activation below) or waits as a spare."""
+        while (formation := self.pool.form(self.ft.assignment.next_replica_id)) is not None:
+            self.progress(step, "replica-formation")
+            t0 = time.perf_counter()
+            slot = self.roster.add_replica(formation.replica)
+            replica_comm = self.ft.form_replica(formation.replica, formation.ranks)
+            self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
+            if replica_comm is not None:  # a member
+                init_replica_torch_world(replica_comm, self._timeout_s)
+                replica_comm.Free()
+                self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
+                services.rebuild_replica(self.parallel_context)
+                self.zero_grad(state)  # as every rank did after this step's optimizer step
+                services.fault_point(step, "formation")
+            if slot is not None:
+                self._pending_activation = True
+            self._formed_at = t0
+            services.metrics.log_event({
+                "event": "replica_formed", "step": step, "epoch": self.ft.epoch, **formation.as_dict(),
+                "slot": slot, "donor": min(self.ft.active_replicas) if slot is not None else None,
+                "pool_ranks": self.pool.ranks,
+            })
+
     def _copy_state_to_new_replicas(
         self, state: TrainingState, services: StepServices, donor: int, new: set[int]
     ) -> None:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
+        t0 = time.perf_counter()
         ensure_adam_state(state.optimizer)
         for tensor in state_tensors(state):
             _bcast_tensor(self.ft, tensor, donor)
-        services.metrics.log_event(
-            {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch}
-        )
+        now = time.perf_counter()
+        record = {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch,
+                  "transfer_ms": (now - t0) * 1e3}
+        if self._formed_at is not None:  # a replica formed from the pool: its torch world, model build and state
+            record["formed_to_active_ms"] = (now - self._formed_at) * 1e3
+            self._formed_at = None
+        services.metrics.log_event(record)
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)
@@ -352,7 +468,13 @@ class ResilientDataParallel(DataParallelStrategy):
 
     # ------------------------------------------------------------------------------------------------- misc
     def is_logging_rank(self) -> bool:
-        return not self.ft.evicted and self.ft.rank == min(self.ft.live_ranks)
+        """The lowest live rank (recycling: of a computing replica: a pool rank holds no LR schedule)."""
+        if self.ft.evicted:
+            return False
+        if not self.recycle:
+            return self.ft.rank == min(self.ft.live_ranks)
+        active = set(self.ft.active_replicas)
+        return self.ft.rank == min(r for r in self.ft.live_ranks if self.ft.assignment.replica_of(r) in active)
 
     def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
                         extra_state: dict | None = None) -> None:

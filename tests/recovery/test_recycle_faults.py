@@ -1,0 +1,111 @@
+"""Survivors of failed replicas are recycled into a new replica (``fault_tolerance.recycle``).
+
+Real ``nanotron-recover train`` jobs under ``mpirun --with-ft ulfm``, real SIGKILLs, a hard timeout on each run.
+3 replicas x TP2 x PP2 = 12 ranks, no spares. One rank of replica 1 is killed in backward at step 5 and the
+same coordinate of replica 2 in the cross-replica reduction at step 10: the 6 survivors stay in a pool, 4 of them
+form a new replica after step 10 (from both broken replicas; coordinate 1 was nobody's, so one member changes
+coordinate), 2 wait. Every step commits M microbatches, and the losses and final weights match the failure-free
+run. A second run adds faults in the new paths: a pool rank dies while it waits, and a member of the new replica
+dies after building its model, before its state arrives; the pool then forms another replica a step later.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+
+pytestmark = pytest.mark.slow
+
+STEPS = 14
+TIMEOUT_S = 420
+TOL = 1e-5
+M = 6  # dp 3 x accumulation 2
+
+
+def recycle_config(tiny_config, inject: list[dict]) -> dict:
+    return tiny_config(
+        dp=3, tp=2, pp=2, accumulation=2, steps=STEPS, checkpoint_interval=STEPS,
+        fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01, "hang_timeout_s": 30,
+                         "collective_timeout_s": 20, "local_snapshot_interval": 0, "inject": inject},
+    )
+
+
+_REFERENCE: list = []
+
+
+@pytest.fixture
+def reference(tiny_config, tmp_path_factory):
+    """The failure-free run (once per module)."""
+    if not _REFERENCE:
+        _REFERENCE.append(run_training(recycle_config(tiny_config, []), tmp_path_factory.mktemp("ref"),
+                                       timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"]))
+    return _REFERENCE[0]
+
+
+def assert_same_trajectory(result, reference) -> tuple[float, float]:
+    tail = result.output[-6000:]
+    assert [s["step"] for s in result.steps] == list(range(1, STEPS + 1)), tail
+    assert all(s["microbatches"] == M for s in result.steps), tail
+    diff = max_loss_diff(result, reference)
+    assert diff <= TOL, f"max |dloss| {diff:.2e}\n{tail}"
+    rel = max_relative_param_diff(final_checkpoint(result.run_dir), final_checkpoint(reference.run_dir))
+    assert rel <= TOL, f"final weights rel. diff {rel:.2e}"
+    return diff, rel
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_survivors_of_two_broken_replicas_form_a_new_one(tiny_config, reference, tmp_path):
+    inject = [{"step": 5, "replica": 1, "rank": 1, "phase": "backward"},
+              {"step": 10, "replica": 2, "rank": 1, "phase": "reduce"}]
+    result = run_training(recycle_config(tiny_config, inject), tmp_path / "run", timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
+    tail = result.output[-6000:]
+    diff, rel = assert_same_trajectory(result, reference)
+    (formed,) = result.events_of("replica_formed")
+    members = formed["members"]
+    assert formed["step"] == 10 and formed["slot"] is not None, formed
+    assert {m["old_replica"] for m in members} == {1, 2}, formed
+    assert any(m["old_coordinate"] != m["coordinate"] for m in members), formed
+    assert sorted(formed["pool_ranks"]) and len(formed["pool_ranks"]) == 2, formed
+    new_id = formed["replica"]
+    for s in result.steps:
+        if s["step"] > 10:
+            assert s["live_replicas"] == 2 and s["quotas"].get(str(new_id), 0) > 0, s
+            assert len(s["pool_ranks"]) == 2, s
+    assert result.events_of("pool_changed"), tail
+    (activated,) = [e for e in result.events_of("spare_activated") if e["replicas"] == [new_id]]
+
+    print(f"\nrecycle: replica {new_id} formed after step 10 from ranks {[m['rank'] for m in members]} "
+          f"(coordinates {[(m['old_replica'], m['old_coordinate'], m['coordinate']) for m in members]}), "
+          f"active {activated['formed_to_active_ms']:.0f} ms after its formation (state transfer "
+          f"{activated['transfer_ms']:.0f} ms); max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")
+
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_a_pool_rank_and_a_new_member_dying_keep_the_trajectory(tiny_config, reference, tmp_path):
+    """Step 7: the pool rank that was replica 1's rank 2 (world rank 6) dies while it waits. Step 10: replica 2
+    breaks, and the pool (4, 7, 8, 10, 11) forms replica 3; its coordinate-2 member dies after building its model,
+    before the state transfer. The transfer's repair sends the other members back to the pool, which forms
+    replica 4 after step 11."""
+    inject = [{"step": 5, "replica": 1, "rank": 1, "phase": "backward"},
+              {"step": 7, "replica": 1, "rank": 2, "phase": "optimizer"},  # a pool rank: its old name
+              {"step": 10, "replica": 2, "rank": 1, "phase": "reduce"},
+              {"step": 10, "replica": 3, "rank": 2, "phase": "formation"}]
+    result = run_training(recycle_config(tiny_config, inject), tmp_path, timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
+    tail = result.output[-6000:]
+    diff, rel = assert_same_trajectory(result, reference)
+    died = [e for e in result.events_of("pool_changed") if e["died"]]
+    assert died and died[0]["died"] == [6] and died[0]["step"] in (7, 8), result.events_of("pool_changed")
+    formed = result.events_of("replica_formed")
+    assert [(f["replica"], f["step"]) for f in formed] == [(3, 10), (4, 11)], formed
+    transfer_repairs = [e for e in result.events_of("repair") if e["phase"] == "spare-activation"]
+    assert transfer_repairs and transfer_repairs[0]["failed_replicas"] == [3], tail
+    for s in result.steps:
+        if s["step"] > 11:
+            assert s["live_replicas"] == 2 and s["quotas"].get("4", 0) > 0 and s["pool_ranks"] == [], s
+    print(f"\nrecycle under faults: pool rank 6 died at step {died[0]['step']}, replica 3 lost a member in its "
+          f"state transfer, replica 4 formed after step 11 from {[m['rank'] for m in formed[1]['members']]}; "
+          f"max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")

@@ -183,9 +183,8 @@ def test_float16_is_refused_before_launch():
         check_runtime_inputs(_precision_config("float16", ft=False))
 
 
-def test_recycle_is_3d_only_and_keeps_the_global_batch():
-    with pytest.raises(ConfigError, match="fault_tolerance.recycle.*3D"):
-        config_from_dict(with_ft(recycle=True, replica="fsdp", fsdp_shard_size=2))
+def test_recycle_keeps_the_global_batch():
+    assert config_from_dict(with_ft(recycle=True, replica="fsdp", fsdp_shard_size=2)).fault_tolerance.recycle
     with pytest.raises(ConfigError, match="fault_tolerance.recycle.*keep_global_batch"):
         config_from_dict(with_ft(recycle=True, keep_global_batch=False))
     assert config_from_dict(with_ft(recycle=True)).fault_tolerance.recycle

@@ -9,7 +9,8 @@ Definitions (also in benchmarks/RESULTS.md):
 
 * process-seconds: the integral over the run of the number of live processes (our stand-in for GPU-hours).
   A process counts from its job's launch until it dies (the injected SIGKILL), its replica is evicted (ReCoVer:
-  the repair's end), or its job ends. Gaps between a dead job and its relaunch count with the processes the
+  the repair's end), or its job ends. With ``fault_tolerance.recycle`` nobody is evicted: a survivor waiting in the
+  pool still holds its hardware and counts as live. Gaps between a dead job and its relaunch count with the processes the
   relaunch will hold (the allocation is held while waiting).
 * committed tokens: tokens of the steps in the final trajectory (a step recomputed after a restart counts once).
 * effective throughput: committed tokens / process-seconds (= tokens / second / live process).

@@ -64,7 +64,7 @@ class FaultToleranceArgs:
             free space of ``local_snapshot_dir``. Checked before launch.
         recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
             replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
-            (:mod:`nanotron_recover.workload.recycle`). 3D replicas only for now.
+            (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas.
     """
 
     enabled: bool = True
@@ -236,8 +236,6 @@ def validate(config: RecoverConfig) -> None:
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)
     if ft.recycle:
-        _check(ft.replica == REPLICA_3D, "fault_tolerance.recycle",
-               "recycling survivors into new replicas supports 3D replicas only (replica: 3d), not HSDP yet")
         _check(ft.keep_global_batch, "fault_tolerance.recycle",
                "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")
     # a replica formed from recycled ranks gets the next id: faults may be scheduled for it too

@@ -116,6 +116,9 @@ class RecoverTrainer:
         the LR schedule to the current step (parameters and optimizer state then come from a live replica)."""
         self.parallel_context = parallel_context
         self.injector.retarget(self.dp.replica, self.dp.local_rank)
+        layout = self.dp.checkpoint_layout()  # HSDP: the shard index it now holds (3D: nanotron's, unchanged)
+        if layout is not None:
+            self.checkpoints.layout = layout
         self._build_replica_state()
         with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: here on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")

@@ -109,3 +109,37 @@ def test_a_pool_rank_and_a_new_member_dying_keep_the_trajectory(tiny_config, ref
     print(f"\nrecycle under faults: pool rank 6 died at step {died[0]['step']}, replica 3 lost a member in its "
           f"state transfer, replica 4 formed after step 11 from {[m['rank'] for m in formed[1]['members']]}; "
           f"max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config, tmp_path):
+    """4 replicas x TP2 (8 ranks): replicas 1 and 2 each lose a rank; their survivors (ranks 3 and 4) form replica 4.
+    Replica 0, the donor, loses a rank right before the state transfer: the transfer is done again from replica
+    3, and replica 0's survivor waits in the pool."""
+    def config(inject):
+        return tiny_config(dp=4, tp=2, pp=1, accumulation=2, steps=10, checkpoint_interval=10,
+                           fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01,
+                                            "hang_timeout_s": 30, "collective_timeout_s": 20,
+                                            "local_snapshot_interval": 0, "inject": inject})
+    reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    inject = [{"step": 3, "replica": 1, "rank": 0, "phase": "backward"},
+              {"step": 5, "replica": 2, "rank": 1, "phase": "reduce"},
+              {"step": 5, "replica": 0, "rank": 1, "phase": "transfer"}]
+    result = run_training(config(inject), tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    tail = result.output[-6000:]
+    assert [s["step"] for s in result.steps] == list(range(1, 11)), tail
+    assert all(s["microbatches"] == 8 for s in result.steps), tail
+    (formed,) = result.events_of("replica_formed")
+    assert formed["step"] == 5 and [m["rank"] for m in formed["members"]] == [4, 3], formed
+    repairs = [e for e in result.events_of("repair") if e["phase"] == "spare-activation"]
+    assert repairs and repairs[0]["failed_replicas"] == [0], tail
+    (activated,) = [e for e in result.events_of("spare_activated") if e["replicas"] == [4]]
+    assert activated["donor"] == 3, activated
+    for s in result.steps:
+        if s["step"] > 5:
+            assert s["live_replicas"] == 2 and s["pool_ranks"] == [0] and s["quotas"]["4"] > 0, s
+    diff = max_loss_diff(result, reference)
+    rel = max_relative_param_diff(final_checkpoint(result.run_dir), final_checkpoint(reference.run_dir))
+    assert diff <= TOL and rel <= TOL, f"max |dloss| {diff:.2e}, weights {rel:.2e}\n{tail}"
+    print(f"\nrecycle, donor lost in the transfer: replica 4 got its state from replica 3 "
+          f"({activated['transfer_ms']:.0f} ms); max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")

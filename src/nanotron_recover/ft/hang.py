@@ -76,7 +76,8 @@ class _Peer:
 
 # what a heartbeat says about the sender's main thread (an index into this table)
 WHERE_NAMES = ("start-up", "dataload", "forward", "backward", "reduce", "optimizer", "checkpoint", "repair",
-               "spare-activation", "waiting", "other")
+               "spare-activation", "waiting", "other", "snapshot", "local-snapshot-resume", "replica-formation",
+               "formation", "transfer")
 
 
 def _where_code(where: str) -> int:

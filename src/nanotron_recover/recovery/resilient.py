@@ -248,20 +248,30 @@ class ResilientDataParallel(DataParallelStrategy):
         self.ft.repair_if_pending()  # unless the watcher already did
 
     def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:
-        """Recycling, after a torch error in compute: if a replica-mate's death moved this rank to the pool (by the
-        watcher's repair, or by ours now), the repairs this rank had not applied yet; else None (not our fault)."""
+        """Recycling, after a torch error in compute: if a replica-mate's death moved this rank to the pool, the
+        repairs this rank had not applied yet; else None (not a fault: the caller re-raises).
+
+        The death is either not yet repaired (we repair now, once it is noticed), or being repaired by the watcher
+        (it holds the operation lock: :meth:`FTWorld.repair_if_pending` waits for it), or repaired already."""
         if not self.recycle or self.ft.starting:
             return None
-        if not self.ft.pooled and not self.ft.wait_for_failure_notice(
-                extra_s=self.hang_policy.timeout_s + KILL_CONFIRM_S):
-            return None
         first = self._applied
-        event = self.ft.repair_if_pending()  # None: the watcher repaired while the main thread was in torch
-        if event is not None:
-            self._log_repair(services, step, "in-step", event)
+        deadline = time.monotonic() + self.ft.notice_timeout_s + self.hang_policy.timeout_s + KILL_CONFIRM_S + 2.0
+        try:
+            while not self.ft.pooled:
+                self.ft.progress.waiting("failure notice")  # a stall here is somebody else's (a repair resumes)
+                event = self.ft.repair_if_pending()
+                if event is not None:
+                    self._log_repair(services, step, "in-step", event)
+                elif time.monotonic() > deadline:
+                    return None
+                else:
+                    time.sleep(0.01)
+        finally:
+            self.ft.progress.resume()
         events = self.ft.events[first:]
         self._apply_repairs(services)
-        return events if self.ft.pooled else None
+        return events
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.
@@ -301,11 +311,14 @@ class ResilientDataParallel(DataParallelStrategy):
         re-logging the last committed step in case the old logger died before writing it."""
         changes = self._apply_repairs(services)
         metrics = services.metrics
-        if self.is_logging_rank() and not metrics.enabled:
+        logging = self.is_logging_rank()
+        if logging and not metrics.enabled:
             metrics.set_logging(True)
             last = services.last_record()
             if last is not None:
                 metrics.log_step(last)
+        elif metrics.enabled and not logging:  # recycling: the logging rank's replica broke, it is in the pool now
+            metrics.set_logging(False)
         record = {"event": "repair", "step": step, "phase": phase, **event.as_dict(),
                   "activated_spares": [s for change in changes for s in change.activated]}
         if not event.failed_ranks:
@@ -389,6 +402,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 new = set(self.roster.active) - donors
                 self.ft.set_active_replicas(self.roster.active)
                 if new and self.computes():  # over the coordinate groups of the active replicas
+                    services.fault_point(step, "transfer")
                     self._copy_state_to_new_replicas(state, services, donor=min(donors), new=new)
                 self._pending_activation = False
             except FailureDetected:
@@ -474,7 +488,8 @@ class ResilientDataParallel(DataParallelStrategy):
         if not self.recycle:
             return self.ft.rank == min(self.ft.live_ranks)
         active = set(self.ft.active_replicas)
-        return self.ft.rank == min(r for r in self.ft.live_ranks if self.ft.assignment.replica_of(r) in active)
+        computing = [r for r in self.ft.live_ranks if self.ft.assignment.replica_of(r) in active]
+        return self.ft.rank == min(computing, default=min(self.ft.live_ranks))
 
     def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
                         extra_state: dict | None = None) -> None:

@@ -112,6 +112,21 @@ def _scan_run_records(base: Path) -> dict[str, list]:
     return found
 
 
+def _remove_left_snapshots(base: Path) -> None:
+    """The runs that these tests killed leave their node-local snapshots in the default folder (``/dev/shm``):
+    delete those of this session's run dirs, so that the machine's memory is not filled run after run."""
+    import shutil
+
+    from nanotron_recover.config import FaultToleranceArgs
+    from nanotron_recover.recovery.local_snapshot import RUN_ID_FILE
+
+    folder = Path(FaultToleranceArgs().local_snapshot_dir)
+    for id_file in base.rglob(RUN_ID_FILE):
+        run = id_file.read_text().strip()
+        if run:
+            shutil.rmtree(folder / run, ignore_errors=True)
+
+
 def pytest_sessionfinish(session, exitstatus):
     factory = getattr(session.config, "_tmp_path_factory", None)
     if factory is None:
@@ -122,6 +137,7 @@ def pytest_sessionfinish(session, exitstatus):
         return
     found = _scan_run_records(base)
     session.config._run_records = found
+    _remove_left_snapshots(base)
     if found["false_alarms"]:
         session.exitstatus = 1
 

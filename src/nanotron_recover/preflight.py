@@ -90,7 +90,7 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return
     from nanotron_recover.memory import snapshot_bytes_per_rank
-    from nanotron_recover.recovery.local_snapshot import snapshot_folder
+    from nanotron_recover.recovery.local_snapshot import run_id, snapshot_folder
 
     folder = Path(ft.local_snapshot_dir)
     existing = folder
@@ -99,8 +99,8 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     if not os.access(existing, os.W_OK):
         raise ConfigError(f"fault_tolerance.local_snapshot_dir: {folder} cannot be created here (no write access "
                           f"to {existing}); set another folder, or local_snapshot_interval: 0")
-    ours = snapshot_folder(config, run_dir)
-    reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours.is_dir() else 0
+    ours = None if run_id(run_dir) is None else snapshot_folder(config, run_id(run_dir))
+    reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours and ours.is_dir() else 0
     free = shutil.disk_usage(existing).free + reusable
     need = 2 * ranks_per_node * snapshot_bytes_per_rank(config)
     limit = free / 2 if ft.local_snapshot_max_gb is None else min(free, ft.local_snapshot_max_gb * 2**30)

@@ -4,6 +4,7 @@ and a writer SIGKILLed mid-write (a real process) leaving the previous snapshot 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,9 @@ from nanotron_recover.preflight import check_local_snapshot_budget
 from nanotron_recover.recovery.local_snapshot import (
     SnapshotWriter,
     choose_step,
+    ensure_run_id,
     parse,
+    run_id,
     scan,
     transfer_plan,
     unpack_into,
@@ -90,6 +93,28 @@ def test_a_snapshot_of_another_layout_is_not_loaded(tmp_path):
     header, _, payload = parse(scan(tmp_path, RUN, CONFIG)[0].path.read_bytes())
     with pytest.raises(ValueError, match="do not match"):
         unpack_into(state(0.0)[:3], header, payload)
+
+
+# ------------------------------------------------------------------------------------------- the run's id
+def test_a_run_keeps_its_id_and_a_new_run_at_the_same_path_gets_another(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_id(run_dir) is None
+    first = ensure_run_id(run_dir)
+    assert ensure_run_id(run_dir) == first == run_id(run_dir)  # a relaunch in the run dir: the same run
+    shutil.rmtree(run_dir)
+    assert ensure_run_id(run_dir) != first  # the dir deleted and made again: the old run's snapshots are not ours
+
+
+def test_ranks_creating_the_id_at_once_all_get_the_same(tmp_path):
+    """Real processes racing on one run dir (as the ranks of a first launch do)."""
+    start = time.time() + 1.0
+    code = (f"import time,sys; from nanotron_recover.recovery.local_snapshot import ensure_run_id; "
+            f"time.sleep(max(0, {start} - time.time())); print(ensure_run_id(sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    ids = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert len(ids) == 1 and ids != {""}, ids
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run_id.txt"]  # no temporary file left
 
 
 # ------------------------------------------------------------------------------------------- the agreement

@@ -9,6 +9,7 @@ A relaunch with another config is refused the snapshots (and says so). 3D and HS
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.config import config_from_dict
-from nanotron_recover.recovery.local_snapshot import snapshot_folder
+from nanotron_recover.recovery.local_snapshot import run_id, snapshot_folder
 from nanotron_recover.runs import kill_run_processes, read_metrics, run_training, write_config
 from tests.conftest import make_tiny_config
 
@@ -65,7 +66,7 @@ def test_a_killed_job_continues_from_its_last_committed_step(kind, tmp_path):
     run_dir = tmp_path / "run"
     config_path = write_config(config(kind, tmp_path), run_dir / "config.yaml")
     last = launch_and_kill_the_job(config_path, run_dir, KILL_AFTER)
-    folder = snapshot_folder(config_from_dict(config(kind, tmp_path)), run_dir)
+    folder = snapshot_folder(config_from_dict(config(kind, tmp_path)), run_id(run_dir))
     assert sorted(p.name for p in folder.glob("*.slot*")), "every rank left its snapshots on the node"
 
     relaunched = time.time()
@@ -93,3 +94,19 @@ def test_snapshots_of_another_config_are_refused_with_a_message(tmp_path):
     assert "belongs to another run or config" in result.output and "refused" in result.output
     assert not RESUMED.search(result.output)
     assert [s["step"] for s in result.steps if s["time"] >= relaunched][0] == 1  # from scratch: no disk checkpoint
+
+
+def test_a_new_run_in_a_remade_run_dir_does_not_take_the_old_runs_snapshots(tmp_path):
+    """The old run's snapshots stay in the snapshot folder (it was killed); the run dir is deleted and a new run
+    started at the same path, with the same config: it starts from step 1."""
+    run_dir = tmp_path / "run"
+    raw = config("3d", tmp_path)
+    launch_and_kill_the_job(write_config(raw, run_dir / "config.yaml"), run_dir, 3)
+    old = snapshot_folder(config_from_dict(raw), run_id(run_dir))
+    assert list(old.glob("*.slot*"))
+    shutil.rmtree(run_dir)
+    result = run_training(write_config(raw, run_dir / "config.yaml"), run_dir, timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data", "--train-steps", "2"])
+    assert not RESUMED.search(result.output), result.output[-3000:]
+    assert [s["step"] for s in result.steps] == [1, 2]
+    assert list(old.glob("*.slot*")), "another run's snapshots are left alone"

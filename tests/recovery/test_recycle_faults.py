@@ -114,17 +114,18 @@ def test_a_pool_rank_and_a_new_member_dying_keep_the_trajectory(tiny_config, ref
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config, tmp_path):
     """4 replicas x TP2 (8 ranks): replicas 1 and 2 each lose a rank; their survivors (ranks 3 and 4) form replica 4.
-    Replica 0, the donor, loses a rank right before the state transfer: the transfer is done again from replica
-    3, and replica 0's survivor waits in the pool."""
+    Replica 0, the donor, has a rank frozen (SIGSTOP) right before the state transfer, so coordinate 0's broadcast
+    completes and coordinate 1's waits until the hang detector kills the frozen rank: the whole transfer is done
+    again from replica 3 (coordinate 0's too), and replica 0's survivor waits in the pool."""
     def config(inject):
         return tiny_config(dp=4, tp=2, pp=1, accumulation=2, steps=10, checkpoint_interval=10,
                            fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01,
-                                            "hang_timeout_s": 30, "collective_timeout_s": 20,
+                                            "hang_timeout_s": 8, "collective_timeout_s": 20,
                                             "local_snapshot_interval": 0, "inject": inject})
     reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     inject = [{"step": 3, "replica": 1, "rank": 0, "phase": "backward"},
               {"step": 5, "replica": 2, "rank": 1, "phase": "reduce"},
-              {"step": 5, "replica": 0, "rank": 1, "phase": "transfer"}]
+              {"step": 5, "replica": 0, "rank": 1, "phase": "transfer", "signal": "stop"}]
     result = run_training(config(inject), tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     tail = result.output[-6000:]
     assert [s["step"] for s in result.steps] == list(range(1, 11)), tail

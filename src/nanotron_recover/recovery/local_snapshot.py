@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import pickle
+import secrets
 import shutil
 import socket
 import struct
@@ -48,11 +49,43 @@ def node_name() -> str:
     return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
 
 
-def run_identity(config: Any, run_dir: Path) -> tuple[str, str]:
-    """(run id, config hash). The run is its run dir; the hash covers what decides the state's layout and the
-    trajectory (model, dtype, optimizer, seed, data, M, tp x pp or the shard size), not the replica count: a relaunch
-    with ``--replicas R`` (M kept) continues the same run."""
-    run_id = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+RUN_ID_FILE = "run_id.txt"
+
+
+def run_id(run_dir: Path) -> str | None:
+    """The id that the run dir's first launch gave the run (None before it): kept by every relaunch in that dir."""
+    try:
+        return (Path(run_dir) / RUN_ID_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def ensure_run_id(run_dir: Path) -> str:
+    """This run's id, created at its first launch. Why not the run dir's path: a new run in a run dir of the same
+    path (the old one deleted, or a test bed whose temporary folders repeat) would take the old run's snapshots that
+    are still in ``/dev/shm``. Every rank may call it at once: the id is written to a temporary file and hard-linked
+    into place, so one wins and the others read the complete file."""
+    run_dir = Path(run_dir)
+    found = run_id(run_dir)
+    if found is not None:
+        return found
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{RUN_ID_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp.write_text(secrets.token_hex(8) + "\n")
+    try:
+        os.link(tmp, run_dir / RUN_ID_FILE)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    found = run_id(run_dir)
+    assert found is not None
+    return found
+
+
+def config_hash(config: Any) -> str:
+    """What decides the state's layout and the trajectory (model, dtype, optimizer, seed, data, M, tp x pp or the
+    shard size), not the replica count: a relaunch with ``--replicas R`` (M kept) continues the same run."""
     ft, par, tok = config.fault_tolerance, config.parallelism, config.tokens
     key = {
         "model": repr(config.model.model_config),
@@ -65,12 +98,11 @@ def run_identity(config: Any, run_dir: Path) -> tuple[str, str]:
         "sequence_length": tok.sequence_length,
         "layout": (par.tp, par.pp, ft.replica, ft.fsdp_shard_size),
     }
-    return run_id, hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def snapshot_folder(config: Any, run_dir: Path) -> Path:
-    """This node's folder of this run's snapshots."""
-    run_id, _ = run_identity(config, run_dir)
+def snapshot_folder(config: Any, run_id: str) -> Path:
+    """This node's folder of the snapshots of run ``run_id``."""
     return Path(config.fault_tolerance.local_snapshot_dir) / run_id / node_name()
 
 
@@ -301,8 +333,8 @@ class LocalSnapshots:
     def __init__(self, config: Any, run_dir: Path, ft: Any, replica: int, coord: int,
                  log: Callable[[str], None] = print) -> None:
         self.interval = config.fault_tolerance.local_snapshot_interval
-        self.run_id, self.config_hash = run_identity(config, run_dir)
-        self.folder = snapshot_folder(config, run_dir)
+        self.run_id, self.config_hash = ensure_run_id(run_dir), config_hash(config)
+        self.folder = snapshot_folder(config, self.run_id)
         self.coords = range(config.ranks_per_replica)
         self.ft, self.replica, self.coord, self.log = ft, replica, coord, log
         self._writer: SnapshotWriter | None = None

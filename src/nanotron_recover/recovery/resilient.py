@@ -401,9 +401,16 @@ class ResilientDataParallel(DataParallelStrategy):
             try:
                 new = set(self.roster.active) - donors
                 self.ft.set_active_replicas(self.roster.active)
+                record = None
                 if new and self.computes():  # over the coordinate groups of the active replicas
                     services.fault_point(step, "transfer")
-                    self._copy_state_to_new_replicas(state, services, donor=min(donors), new=new)
+                    record = self._copy_state_to_new_replicas(state, donor=min(donors), new=new)
+                # each coordinate's broadcast ends on its own: one can complete while another lost its donor, so
+                # every rank agrees that all of them did, or all repair and do the transfer again
+                self.ft.agree(True)
+                if record is not None:
+                    services.metrics.log_event(record)
+                self._formed_at = None
                 self._pending_activation = False
             except FailureDetected:
                 event = self._repair(services, step, "spare-activation")
@@ -446,10 +453,9 @@ class ResilientDataParallel(DataParallelStrategy):
                 "pool_ranks": self.pool.ranks,
             })
 
-    def _copy_state_to_new_replicas(
-        self, state: TrainingState, services: StepServices, donor: int, new: set[int]
-    ) -> None:
-        """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor."""
+    def _copy_state_to_new_replicas(self, state: TrainingState, donor: int, new: set[int]) -> dict:
+        """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor;
+        -> the ``spare_activated`` record (logged once every rank agreed that the transfer completed)."""
         t0 = time.perf_counter()
         ensure_adam_state(state.optimizer)
         for tensor in state_tensors(state):
@@ -459,8 +465,7 @@ class ResilientDataParallel(DataParallelStrategy):
                   "transfer_ms": (now - t0) * 1e3}
         if self._formed_at is not None:  # a replica formed from the pool: its torch world, model build and state
             record["formed_to_active_ms"] = (now - self._formed_at) * 1e3
-            self._formed_at = None
-        services.metrics.log_event(record)
+        return record
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)

@@ -197,3 +197,6 @@ def test_faults_may_name_a_formed_replica_only_when_recycling():
     assert config_from_dict(with_ft(recycle=True, inject=formed)).fault_tolerance.inject[0].replica == dp
     with pytest.raises(ConfigError, match=r"fault_tolerance.inject\[0\].replica"):
         config_from_dict(with_ft(inject=formed))
+    beyond = [{"step": 2, "replica": dp + 1, "rank": 0, "phase": "formation"}]  # 1 fault: at most 1 formation
+    with pytest.raises(ConfigError, match=r"fault_tolerance.inject\[0\].replica"):
+        config_from_dict(with_ft(recycle=True, inject=beyond))

@@ -238,8 +238,9 @@ def validate(config: RecoverConfig) -> None:
     if ft.recycle:
         _check(ft.keep_global_batch, "fault_tolerance.recycle",
                "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")
-    # a replica formed from recycled ranks gets the next id: faults may be scheduled for it too
-    fault_ids = 2 * n_replicas - 1 if ft.recycle else n_replicas
+    # a replica formed from recycled ranks gets the next id: faults may be scheduled for it too. Each formation
+    # (one that completes or one that a fault breaks) needs a fault before it, so at most len(inject) ids are formed
+    fault_ids = n_replicas + len(ft.inject) if ft.recycle else n_replicas
     for i, inj in enumerate(ft.inject):
         key = f"fault_tolerance.inject[{i}]"
         for name, message in inj.problems():

@@ -115,7 +115,6 @@ class RecoverTrainer:
         """This pool rank joined a new replica: build its coordinate's model over the new torch world, and bring
         the LR schedule to the current step (parameters and optimizer state then come from a live replica)."""
         self.parallel_context = parallel_context
-        self.injector.retarget(self.dp.replica, self.dp.local_rank)
         layout = self.dp.checkpoint_layout()  # HSDP: the shard index it now holds (3D: nanotron's, unchanged)
         if layout is not None:
             self.checkpoints.layout = layout
@@ -156,6 +155,8 @@ class RecoverTrainer:
 
     def _fault_point(self, step: int, phase: str) -> None:
         self.dp.progress(step, phase)
+        if self.dp.replica is not None and self.dp.replica != self.injector.my_replica:
+            self.injector.retarget(self.dp.replica, self.dp.local_rank)  # recycled: faults name the new replica
         self.injector.maybe_fail(step, phase)
 
     def _install_phase_hooks(self) -> None:

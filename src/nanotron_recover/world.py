@@ -59,6 +59,9 @@ def init_replica_torch_world(replica_comm: "MPI.Comm", timeout_s: float) -> None
     else:
         address = None
     host, port = replica_comm.bcast(address, root=0)
+    # A member lost before the rendezvous fails this barrier on every member (ULFM), instead of leaving the others
+    # in gloo's connection set-up until its timeout.
+    replica_comm.Barrier()
     if store is None:
         store = torch_dist.TCPStore(host, port, world_size=size, is_master=False, timeout=timeout)
     _set_torch_env(rank, size, host, port)

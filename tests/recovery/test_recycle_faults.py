@@ -5,8 +5,9 @@ Real ``nanotron-recover train`` jobs under ``mpirun --with-ft ulfm``, real SIGKI
 same coordinate of replica 2 in the cross-replica reduction at step 10: the 6 survivors stay in a pool, 4 of them
 form a new replica after step 10 (from both broken replicas; coordinate 1 was nobody's, so one member changes
 coordinate), 2 wait. Every step commits M microbatches, and the losses and final weights match the failure-free
-run. A second run adds faults in the new paths: a pool rank dies while it waits, and a member of the new replica
-dies after building its model, before its state arrives; the pool then forms another replica a step later.
+run. A second run adds faults inside the formations: a pool rank that is not a member dies as one begins, a member
+dies before its torch rendezvous, and a member of the next one in its state transfer. A third loses the donor of a
+transfer and then a rank waiting in the pool.
 """
 
 from __future__ import annotations
@@ -84,30 +85,33 @@ def test_survivors_of_two_broken_replicas_form_a_new_one(tiny_config, reference,
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-def test_a_pool_rank_and_a_new_member_dying_keep_the_trajectory(tiny_config, reference, tmp_path):
-    """Step 7: the pool rank that was replica 1's rank 2 (world rank 6) dies while it waits. Step 10: replica 2
-    breaks, and the pool (4, 7, 8, 10, 11) forms replica 3; its coordinate-2 member dies after building its model,
-    before the state transfer. The transfer's repair sends the other members back to the pool, which forms
-    replica 4 after step 11."""
+def test_faults_inside_formations_keep_the_trajectory(tiny_config, reference, tmp_path):
+    """As above up to step 10, where the pool (4, 6, 7, 8, 10, 11) starts forming replica 3 of ranks 4, 8, 6, 7.
+    - Pool rank 10, not a member, dies as the formation begins: replica 3 is abandoned, its members go back.
+    - The 5 left form replica 4 (the same members); its coordinate-2 member dies before the torch rendezvous: the
+      repair breaks replica 4 and sends its survivors back.
+    - The 4 left form replica 5; its coordinate-1 member dies in the state transfer: replica 5 breaks too.
+    Steps 11-14 run on replica 0 alone (3 ranks wait in the pool), with M microbatches each."""
     inject = [{"step": 5, "replica": 1, "rank": 1, "phase": "backward"},
-              {"step": 7, "replica": 1, "rank": 2, "phase": "optimizer"},  # a pool rank: its old name
               {"step": 10, "replica": 2, "rank": 1, "phase": "reduce"},
-              {"step": 10, "replica": 3, "rank": 2, "phase": "formation"}]
+              {"step": 10, "replica": 2, "rank": 2, "phase": "forming"},  # world rank 10, in the pool: its old name
+              {"step": 10, "replica": 4, "rank": 2, "phase": "rendezvous"},
+              {"step": 10, "replica": 5, "rank": 1, "phase": "transfer"}]
     result = run_training(recycle_config(tiny_config, inject), tmp_path, timeout_s=TIMEOUT_S,
                           extra_args=["--synthetic-data"])
     tail = result.output[-6000:]
     diff, rel = assert_same_trajectory(result, reference)
-    died = [e for e in result.events_of("pool_changed") if e["died"]]
-    assert died and died[0]["died"] == [6] and died[0]["step"] in (7, 8), result.events_of("pool_changed")
     formed = result.events_of("replica_formed")
-    assert [(f["replica"], f["step"]) for f in formed] == [(3, 10), (4, 11)], formed
-    transfer_repairs = [e for e in result.events_of("repair") if e["phase"] == "spare-activation"]
-    assert transfer_repairs and transfer_repairs[0]["failed_replicas"] == [3], tail
+    assert [(f["replica"], f["step"]) for f in formed] == [(5, 10)], formed  # 3 and 4 never completed
+    repairs = [(e["phase"], e["failed_ranks"], e["failed_replicas"]) for e in result.events_of("repair")
+               if e["step"] == 10]
+    assert [r[0] for r in repairs] == ["in-step", "replica-formation", "replica-formation", "spare-activation"], tail
+    assert repairs[1][1:] == ([10], []) and repairs[2][2] == [4] and repairs[3][2] == [5], repairs
     for s in result.steps:
-        if s["step"] > 11:
-            assert s["live_replicas"] == 2 and s["quotas"].get("4", 0) > 0 and s["pool_ranks"] == [], s
-    print(f"\nrecycle under faults: pool rank 6 died at step {died[0]['step']}, replica 3 lost a member in its "
-          f"state transfer, replica 4 formed after step 11 from {[m['rank'] for m in formed[1]['members']]}; "
+        if s["step"] > 10:
+            assert s["live_replicas"] == 1 and len(s["pool_ranks"]) == 3, s
+    print(f"\nrecycle under faults: replica 3 abandoned (pool rank 10 died as it formed), replica 4 lost a member "
+          f"before its rendezvous, replica 5 one in its state transfer; repairs at step 10: {repairs}; "
           f"max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")
 
 
@@ -116,7 +120,7 @@ def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config
     """4 replicas x TP2 (8 ranks): replicas 1 and 2 each lose a rank; their survivors (ranks 3 and 4) form replica 4.
     Replica 0, the donor, has a rank frozen (SIGSTOP) right before the state transfer, so coordinate 0's broadcast
     completes and coordinate 1's waits until the hang detector kills the frozen rank: the whole transfer is done
-    again from replica 3 (coordinate 0's too), and replica 0's survivor waits in the pool."""
+    again from replica 3 (coordinate 0's too), and replica 0's survivor waits in the pool, where it dies at step 8."""
     def config(inject):
         return tiny_config(dp=4, tp=2, pp=1, accumulation=2, steps=10, checkpoint_interval=10,
                            fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01,
@@ -125,7 +129,8 @@ def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config
     reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     inject = [{"step": 3, "replica": 1, "rank": 0, "phase": "backward"},
               {"step": 5, "replica": 2, "rank": 1, "phase": "reduce"},
-              {"step": 5, "replica": 0, "rank": 1, "phase": "transfer", "signal": "stop"}]
+              {"step": 5, "replica": 0, "rank": 1, "phase": "transfer", "signal": "stop"},
+              {"step": 8, "replica": 0, "rank": 0, "phase": "optimizer"}]  # the pool rank: its old name
     result = run_training(config(inject), tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     tail = result.output[-6000:]
     assert [s["step"] for s in result.steps] == list(range(1, 11)), tail
@@ -136,9 +141,12 @@ def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config
     assert repairs and repairs[0]["failed_replicas"] == [0], tail
     (activated,) = [e for e in result.events_of("spare_activated") if e["replicas"] == [4]]
     assert activated["donor"] == 3, activated
+    died = [e for e in result.events_of("pool_changed") if e["died"]]
+    assert died and died[0]["died"] == [0] and died[0]["step"] in (8, 9), result.events_of("pool_changed")
     for s in result.steps:
         if s["step"] > 5:
-            assert s["live_replicas"] == 2 and s["pool_ranks"] == [0] and s["quotas"]["4"] > 0, s
+            assert s["live_replicas"] == 2 and s["quotas"]["4"] > 0, s
+            assert s["pool_ranks"] == ([0] if s["step"] < died[0]["step"] else []), s
     diff = max_loss_diff(result, reference)
     rel = max_relative_param_diff(final_checkpoint(result.run_dir), final_checkpoint(reference.run_dir))
     assert diff <= TOL and rel <= TOL, f"max |dloss| {diff:.2e}, weights {rel:.2e}\n{tail}"

@@ -75,7 +75,7 @@ class InMemoryWorld:
         self._maybe_fail("agree")
         return flag
 
-    def repair(self) -> RepairEvent:
+    def repair(self, since_epoch: int | None = None) -> RepairEvent:
         failed = self.next_failure
         self.epoch += 1
         self.live_ranks = [r for r in self.live_ranks if r not in failed]

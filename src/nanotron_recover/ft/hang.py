@@ -77,7 +77,7 @@ class _Peer:
 # what a heartbeat says about the sender's main thread (an index into this table)
 WHERE_NAMES = ("start-up", "dataload", "forward", "backward", "reduce", "optimizer", "checkpoint", "repair",
                "spare-activation", "waiting", "other", "snapshot", "local-snapshot-resume", "replica-formation",
-               "formation", "transfer")
+               "formation", "transfer", "rendezvous", "forming")
 
 
 def _where_code(where: str) -> int:

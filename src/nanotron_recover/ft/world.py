@@ -314,13 +314,18 @@ class FTWorld:
             finally:
                 self.progress.resume()
 
-    def repair(self) -> RepairEvent:
+    def repair(self, since_epoch: int | None = None) -> RepairEvent:
         """Collective among ALL survivors of the world (active, spares, and alive ranks of failed replicas).
 
         Returns the event on a survivor; raises :class:`ReplicaEvicted` on a rank whose replica lost a member.
         After a return, the caller decides the active set (default: previously active minus failed).
+        ``since_epoch``: the epoch of the :class:`FailureDetected` that the caller repairs. When the watcher took
+        the operation lock first and repaired that failure (a replica-mate's death, recycling: this rank stays),
+        its event is returned: a second repair here would be one that no peer joins.
         """
         with self._op_lock:
+            if since_epoch is not None and self.epoch > since_epoch and not self.failure_pending():
+                return self.events[-1]
             self.progress.waiting("repair")
             try:
                 return self._repair_locked(by_watcher=False)

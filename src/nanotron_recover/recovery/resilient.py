@@ -47,7 +47,7 @@ from nanotron_recover.strategy import (
     fp32_accumulator,
 )
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
-from nanotron_recover.workload.recycle import RankPool
+from nanotron_recover.workload.recycle import Formation, RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
 from nanotron_recover.world import init_replica_torch_world
 
@@ -204,9 +204,9 @@ class ResilientDataParallel(DataParallelStrategy):
                 self._reduce(services, step, work)
                 self.ft.agree(True)  # the commit point: once per attempt, on every live rank; raises on failure
                 break
-            except FailureDetected:
+            except FailureDetected as exc:
                 recoveries += 1
-                plan, todo = self._recover(services, step, plan)
+                plan, todo = self._recover(services, step, plan, since_epoch=exc.epoch)
                 continue
             except Exception:  # noqa: BLE001 - torch traffic inside the replica broke: pooled, or re-raised
                 repaired = self._repairs_that_pooled_me(services, step)
@@ -296,13 +296,13 @@ class ResilientDataParallel(DataParallelStrategy):
         self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
         self.ft.allreduce_sum_(self._stats, "world")
 
-    def _repair(self, services: StepServices, step: int, phase: str) -> RepairEvent:
+    def _repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
         """Repair the world (``ReplicaEvicted`` on a rank of a failed replica, unless recycling keeps it in the
-        pool), update the roster, log the event."""
+        pool), update the roster, log the event. ``since_epoch``: see :meth:`FTWorld.repair`."""
         self.ft.repair_hook = lambda point, attempt: (
             services.fault_point(step, "repair") if point == "after_shrink" else None
         )
-        event = self.ft.repair()
+        event = self.ft.repair(since_epoch)
         self._log_repair(services, step, phase, event)
         return event
 
@@ -347,10 +347,16 @@ class ResilientDataParallel(DataParallelStrategy):
         self._applied = len(self.ft.events)
         if any(change.replacements for change in changes):
             self._pending_activation = True
-        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
-        if self.recycle and self.ft.pooled and self.parallel_context is not None:
-            self._leave_replica(services)
+        self._drop_replica_if_pooled(services)
         return changes
+
+    def _drop_replica_if_pooled(self, services: StepServices) -> None:
+        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
+        if self.recycle and self.ft.pooled:
+            if self.parallel_context is not None:
+                self._leave_replica(services)
+            elif torch_dist.is_initialized():  # a formation that broke after its rendezvous, before the model
+                self._forget_torch_world()
 
     def _leave_replica(self, services: StepServices) -> None:
         """Pooled: drop the model and the replica's torch world, so that a replica-mate still waiting on this rank
@@ -362,16 +368,24 @@ class ResilientDataParallel(DataParallelStrategy):
         if self.snapshots is not None:
             self.snapshots.finish()
             self.snapshots = None
+        self._forget_torch_world()
+
+    def _forget_torch_world(self) -> None:
         try:
             forget_process_groups()
         except Exception as e:  # noqa: BLE001 - a broken world may not tear down cleanly; the references go anyway
             print(f"[nanotron-recover] rank {self.ft.rank}: torch world of the old replica: {e!r}", flush=True)
 
-    def _recover(self, services: StepServices, step: int, plan: Plan,
-                 repaired: list[RepairEvent] | None = None) -> tuple[Plan, list[int]]:
+    def _recover(self, services: StepServices, step: int, plan: Plan, repaired: list[RepairEvent] | None = None,
+                 since_epoch: int | None = None) -> tuple[Plan, list[int]]:
         """Repair (unless ``repaired`` says it was done), restore the local sums, and hand the failed replicas'
         microbatches to the survivors."""
-        events = repaired if repaired is not None else [self._repair(services, step, "in-step")]
+        if repaired is not None:
+            events = repaired
+        else:
+            event = self._repair(services, step, "in-step", since_epoch)
+            # the watcher may have repaired more than once since the failure was raised: all of them count
+            events = [e for e in self.ft.events if e.epoch > since_epoch] if since_epoch is not None else [event]
         failed = sorted({r for event in events for r in event.failed_replicas})
         survivors = [r for r in plan if r not in failed]
         if not survivors or self.roster.below_minimum(self.min_replicas):
@@ -412,8 +426,8 @@ class ResilientDataParallel(DataParallelStrategy):
                     services.metrics.log_event(record)
                 self._formed_at = None
                 self._pending_activation = False
-            except FailureDetected:
-                event = self._repair(services, step, "spare-activation")
+            except FailureDetected as exc:
+                event = self._repair(services, step, "spare-activation", exc.epoch)
                 donors -= set(event.failed_replicas)
                 if self.roster.below_minimum(self.min_replicas) or not donors:
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
@@ -430,20 +444,28 @@ class ResilientDataParallel(DataParallelStrategy):
         """Recycling, at a step boundary: while the pool holds a replica's worth of ranks, make a new replica of
         them (the same choice on every rank: :class:`RankPool`). Its members start a torch world of their own and
         build their new coordinate's model; it takes a free slot (its state then comes from a live replica with
-        the spare activation below) or waits as a spare."""
+        the spare activation below) or waits as a spare.
+
+        A formation is a transaction: every rank of the world agrees that every member has its torch world and
+        model, or all repair. A member lost in the middle breaks the new replica like any other; its survivors go
+        back to the pool, and the pool forms again at once."""
         while (formation := self.pool.form(self.ft.assignment.next_replica_id)) is not None:
             self.progress(step, "replica-formation")
             t0 = time.perf_counter()
             slot = self.roster.add_replica(formation.replica)
-            replica_comm = self.ft.form_replica(formation.replica, formation.ranks)
-            self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
-            if replica_comm is not None:  # a member
-                init_replica_torch_world(replica_comm, self._timeout_s)
-                replica_comm.Free()
-                self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
-                services.rebuild_replica(self.parallel_context)
-                self.zero_grad(state)  # as every rank did after this step's optimizer step
-                services.fault_point(step, "formation")
+            try:
+                self._build_formed_replica(step, formation, state, services)
+                self.ft.agree(True)
+            except FailureDetected as exc:
+                self._repair(services, step, "replica-formation", exc.epoch)
+                self._abandon_formation(formation, services)
+                continue
+            except Exception:  # noqa: BLE001 - a member's rendezvous or model build broke under a co-member's death
+                if self._repairs_that_pooled_me(services, step) is None:
+                    raise
+                gc.collect()  # the error's traceback held the broken replica's process groups
+                self._abandon_formation(formation, services)
+                continue
             if slot is not None:
                 self._pending_activation = True
             self._formed_at = t0
@@ -452,6 +474,40 @@ class ResilientDataParallel(DataParallelStrategy):
                 "slot": slot, "donor": min(self.ft.active_replicas) if slot is not None else None,
                 "pool_ranks": self.pool.ranks,
             })
+
+    def _abandon_formation(self, formation: Formation, services: StepServices) -> None:
+        """After a repair that interrupted a formation, on every rank alike: the new replica is undone. When the
+        repair found it broken (a member died) its survivors are in the pool already; when the failure was
+        elsewhere, its members go back to the pool too (some may not have built their model yet), and its slot is
+        freed for the next formation."""
+        if formation.replica in self.roster.retired:
+            return
+        if self.roster.on_failure([formation.replica]).replacements:  # a waiting replica takes the freed slot
+            self._pending_activation = True
+        self.pool.add(self.ft.assignment.to_pool(m.rank for m in formation.members if m.rank in self.ft.live_ranks))
+        self._drop_replica_if_pooled(services)
+
+    def _build_formed_replica(self, step: int, formation: Formation, state: TrainingState, services: StepServices) -> None:
+        """Every rank: the world learns the new replica's members; a member starts its torch world (rendezvous
+        agreed over MPI) and builds its coordinate's model. The caller's Agree then closes the formation."""
+        services.fault_point(step, "forming")
+        replica_comm = self.ft.form_replica(formation.replica, formation.ranks)
+        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
+        try:
+            # the world Split need not fail on every rank alike: all learn that it worked before a member waits on
+            # another in the rendezvous (a member whose Split failed is in the repair, not in the rendezvous)
+            self.ft.agree(True)
+            if replica_comm is None:  # not a member
+                return
+            services.fault_point(step, "rendezvous")
+            init_replica_torch_world(replica_comm, self._timeout_s)
+        finally:
+            if replica_comm is not None:
+                replica_comm.Free()
+        self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
+        services.rebuild_replica(self.parallel_context)
+        self.zero_grad(state)  # as every rank did after this step's optimizer step
+        services.fault_point(step, "formation")
 
     def _copy_state_to_new_replicas(self, state: TrainingState, donor: int, new: set[int]) -> dict:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor;

@@ -42,7 +42,7 @@ def test_precision_bench_minimal(tmp_path):
 
 
 def test_snapshot_bench_minimal(tmp_path):
-    last = run("snapshot_bench.py", ["--steps", "6", "--kill-after", "3", "--checkpoint-interval", "2",
+    last = run("snapshot_bench.py", ["--steps", "6", "--kill-after", "3", "--checkpoint-interval", "2", "--tp", "1",
                                      "--pairs", "1"], tmp_path)
     m = re.fullmatch(r"snapshot_step_overhead=(\S+) bytes_per_rank_per_step=(\d+) steps_recomputed_snapshot=(\d+) "
                      r"steps_recomputed_disk=(\d+)", last)

@@ -407,9 +407,9 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
         """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
-        donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step
         if self.recycle:
             self._form_replicas(step, state, services)
+        donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step, still alive
         self.progress(step, "spare-activation")
         while self._pending_activation:
             try:
@@ -458,13 +458,13 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.ft.agree(True)
             except FailureDetected as exc:
                 self._repair(services, step, "replica-formation", exc.epoch)
-                self._abandon_formation(formation, services)
+                self._abandon_formation(step, formation, services)
                 continue
             except Exception:  # noqa: BLE001 - a member's rendezvous or model build broke under a co-member's death
                 if self._repairs_that_pooled_me(services, step) is None:
                     raise
                 gc.collect()  # the error's traceback held the broken replica's process groups
-                self._abandon_formation(formation, services)
+                self._abandon_formation(step, formation, services)
                 continue
             if slot is not None:
                 self._pending_activation = True
@@ -475,17 +475,20 @@ class ResilientDataParallel(DataParallelStrategy):
                 "pool_ranks": self.pool.ranks,
             })
 
-    def _abandon_formation(self, formation: Formation, services: StepServices) -> None:
+    def _abandon_formation(self, step: int, formation: Formation, services: StepServices) -> None:
         """After a repair that interrupted a formation, on every rank alike: the new replica is undone. When the
         repair found it broken (a member died) its survivors are in the pool already; when the failure was
         elsewhere, its members go back to the pool too (some may not have built their model yet), and its slot is
         freed for the next formation."""
-        if formation.replica in self.roster.retired:
-            return
-        if self.roster.on_failure([formation.replica]).replacements:  # a waiting replica takes the freed slot
-            self._pending_activation = True
-        self.pool.add(self.ft.assignment.to_pool(m.rank for m in formation.members if m.rank in self.ft.live_ranks))
-        self._drop_replica_if_pooled(services)
+        if formation.replica not in self.roster.retired:
+            if self.roster.on_failure([formation.replica]).replacements:  # a waiting replica takes the freed slot
+                self._pending_activation = True
+            alive = [m.rank for m in formation.members if m.rank in self.ft.live_ranks]
+            self.pool.add(self.ft.assignment.to_pool(alive))
+            self._drop_replica_if_pooled(services)
+        if not self.ft.active_replicas or self.roster.below_minimum(self.min_replicas):
+            # the fault took the last replicas that hold the committed state: nobody can give it to a new one
+            raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step)
 
     def _build_formed_replica(self, step: int, formation: Formation, state: TrainingState, services: StepServices) -> None:
         """Every rank: the world learns the new replica's members; a member starts its torch world (rendezvous

@@ -71,7 +71,7 @@ class InMemoryWorld:
             buf[1] += self.others_microbatches
         return buf
 
-    def agree(self, flag: bool = True) -> bool:
+    def agree(self, flag: bool = True, epoch: int | None = None) -> bool:
         self._maybe_fail("agree")
         return flag
 

@@ -253,20 +253,30 @@ class FTWorld:
         with self._guard("barrier", c):
             c.Barrier()
 
-    def agree(self, flag: bool = True) -> bool:
+    def agree(self, flag: bool = True, epoch: int | None = None) -> bool:
         """The commit point: uniform AND of ``flag`` over all live ranks.
 
         Raises FailureDetected (on every survivor alike) if a rank of the world died since the last repair or a
         peer already entered :meth:`repair`: then the step's collective results must be thrown away.
         Agree is the one operation that Revoke does not interrupt; ``repair`` starts with a matching Agree.
+        ``epoch``: the epoch the caller's work began in. If the watcher repaired since (a replica-mate died while
+        the main thread was outside MPI, e.g. building a model), the peers have already matched this Agree with
+        that repair: it raises FailureDetected of that epoch without an Agree (the caller's repair then returns
+        the watcher's, see :meth:`repair`).
         """
         c = self._comm("world")
+        repaired_meanwhile = False
         try:
             with self._guard("agree", c, check_pending=False):
-                result = c.Agree(HEALTHY_BIT | (1 if flag else 0))
+                if epoch is not None and self.epoch != epoch:
+                    repaired_meanwhile = True
+                else:
+                    result = c.Agree(HEALTHY_BIT | (1 if flag else 0))
         except FailureDetected:
             self._commit_agree_failed = True
             raise
+        if repaired_meanwhile:
+            raise FailureDetected("agree", -1, epoch, "the watcher repaired meanwhile")
         if not result & HEALTHY_BIT:
             self._commit_agree_failed = True  # a peer entered repair (its Agree completed ours): so must we
             self._note_error()

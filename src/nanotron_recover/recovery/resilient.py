@@ -198,15 +198,16 @@ class ResilientDataParallel(DataParallelStrategy):
         work = LocalWork()
         recoveries = 0
         while True:
+            epoch = self.ft.epoch  # a repair of the watcher's after this is one the peers already matched
             try:
                 work += services.compute(step, todo, self.loss_divisor)
                 todo = []
                 self._reduce(services, step, work)
                 self.ft.agree(True)  # the commit point: once per attempt, on every live rank; raises on failure
                 break
-            except FailureDetected as exc:
+            except FailureDetected:
                 recoveries += 1
-                plan, todo = self._recover(services, step, plan, since_epoch=exc.epoch)
+                plan, todo = self._recover(services, step, plan, since_epoch=epoch)
                 continue
             except Exception:  # noqa: BLE001 - torch traffic inside the replica broke: pooled, or re-raised
                 repaired = self._repairs_that_pooled_me(services, step)
@@ -412,6 +413,7 @@ class ResilientDataParallel(DataParallelStrategy):
         donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step, still alive
         self.progress(step, "spare-activation")
         while self._pending_activation:
+            epoch = self.ft.epoch
             try:
                 new = set(self.roster.active) - donors
                 self.ft.set_active_replicas(self.roster.active)
@@ -421,14 +423,16 @@ class ResilientDataParallel(DataParallelStrategy):
                     record = self._copy_state_to_new_replicas(state, donor=min(donors), new=new)
                 # each coordinate's broadcast ends on its own: one can complete while another lost its donor, so
                 # every rank agrees that all of them did, or all repair and do the transfer again
-                self.ft.agree(True)
+                self.ft.agree(True, epoch)
                 if record is not None:
                     services.metrics.log_event(record)
                 self._formed_at = None
                 self._pending_activation = False
-            except FailureDetected as exc:
-                event = self._repair(services, step, "spare-activation", exc.epoch)
-                donors -= set(event.failed_replicas)
+            except Exception as exc:  # noqa: BLE001 - a fault; or the watcher pooled this rank mid-transfer
+                if not isinstance(exc, FailureDetected) and self.ft.epoch == epoch:
+                    raise
+                self._repair(services, step, "spare-activation", epoch)
+                donors -= {r for e in self.ft.events if e.epoch > epoch for r in e.failed_replicas}
                 if self.roster.below_minimum(self.min_replicas) or not donors:
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
         if self.snapshots is not None and self.computes():  # an idle spare's state is not the committed one
@@ -453,11 +457,12 @@ class ResilientDataParallel(DataParallelStrategy):
             self.progress(step, "replica-formation")
             t0 = time.perf_counter()
             slot = self.roster.add_replica(formation.replica)
+            epoch = self.ft.epoch
             try:
-                self._build_formed_replica(step, formation, state, services)
-                self.ft.agree(True)
-            except FailureDetected as exc:
-                self._repair(services, step, "replica-formation", exc.epoch)
+                self._build_formed_replica(step, formation, state, services, epoch)
+                self.ft.agree(True, epoch)
+            except FailureDetected:
+                self._repair(services, step, "replica-formation", epoch)
                 self._abandon_formation(step, formation, services)
                 continue
             except Exception:  # noqa: BLE001 - a member's rendezvous or model build broke under a co-member's death
@@ -490,7 +495,8 @@ class ResilientDataParallel(DataParallelStrategy):
             # the fault took the last replicas that hold the committed state: nobody can give it to a new one
             raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step)
 
-    def _build_formed_replica(self, step: int, formation: Formation, state: TrainingState, services: StepServices) -> None:
+    def _build_formed_replica(self, step: int, formation: Formation, state: TrainingState, services: StepServices,
+                              epoch: int) -> None:
         """Every rank: the world learns the new replica's members; a member starts its torch world (rendezvous
         agreed over MPI) and builds its coordinate's model. The caller's Agree then closes the formation."""
         services.fault_point(step, "forming")
@@ -499,7 +505,7 @@ class ResilientDataParallel(DataParallelStrategy):
         try:
             # the world Split need not fail on every rank alike: all learn that it worked before a member waits on
             # another in the rendezvous (a member whose Split failed is in the repair, not in the rendezvous)
-            self.ft.agree(True)
+            self.ft.agree(True, epoch)
             if replica_comm is None:  # not a member
                 return
             services.fault_point(step, "rendezvous")

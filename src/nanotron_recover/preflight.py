@@ -99,7 +99,8 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     if not os.access(existing, os.W_OK):
         raise ConfigError(f"fault_tolerance.local_snapshot_dir: {folder} cannot be created here (no write access "
                           f"to {existing}); set another folder, or local_snapshot_interval: 0")
-    ours = None if run_id(run_dir) is None else snapshot_folder(config, run_id(run_dir))
+    run = run_id(run_dir)
+    ours = None if run is None else snapshot_folder(config, run)
     reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours and ours.is_dir() else 0
     free = shutil.disk_usage(existing).free + reusable
     need = 2 * ranks_per_node * snapshot_bytes_per_rank(config)

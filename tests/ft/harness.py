@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanotron_recover.launch import LAUNCH_RETRIES, launch_failure
 from nanotron_recover.mpirun import mpirun_command
 from nanotron_recover.runs import read_kills
 
@@ -36,7 +37,18 @@ class Run:
 
 
 def run_worker(n_procs: int, cfg: dict[str, Any], tmp: Path, timeout_s: float = HARD_TIMEOUT_S) -> Run:
-    """Run the toy trainer; raise if it exceeds ``timeout_s`` (after killing the whole process group)."""
+    """Run the toy trainer; raise if it exceeds ``timeout_s`` (after killing the whole process group). A launch
+    that PRRTE itself failed to start, before any rank ran, is made again (as the user's launcher does)."""
+    for attempt in range(1 + LAUNCH_RETRIES):
+        run, rc = _run_worker_once(n_procs, cfg, tmp, timeout_s)
+        if run.results or run.kills or launch_failure(rc, run.output.encode()) is None or attempt == LAUNCH_RETRIES:
+            return run
+        print(f"[test bed] mpirun did not start ({launch_failure(rc, run.output.encode())!r}); launching again",
+              flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_worker_once(n_procs: int, cfg: dict[str, Any], tmp: Path, timeout_s: float) -> tuple[Run, int]:
     import time
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -58,4 +70,4 @@ def run_worker(n_procs: int, cfg: dict[str, Any], tmp: Path, timeout_s: float = 
         d = json.loads(f.read_text())
         results[int(d["rank"])] = d
     kills = [(k["replica"], k["rank"], k["time"]) for k in read_kills(tmp)]  # the injector's own records
-    return Run(out, results, kills, wall)
+    return Run(out, results, kills, wall), proc.returncode

@@ -17,6 +17,7 @@ import torch.distributed as torch_dist
 from nanotron.config import LlamaConfig, ParallelismArgs
 
 from nanotron_recover import devices
+from nanotron_recover.launch import LAUNCH_RETRIES, launch_failure
 from nanotron_recover.mpirun import mpirun_command
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: ``tests`` is importable from here
@@ -87,7 +88,10 @@ def run_module(
         cmd, full_env = program, {**os.environ, **env, "RANK": "0", "WORLD_SIZE": "1"}
     else:
         cmd, full_env = mpirun_command(n_procs, program, ulfm=False, env=env), dict(os.environ)
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    for _ in range(1 + LAUNCH_RETRIES):  # PRRTE's own start-up failures, before any rank ran: launch again
+        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        if launch_failure(proc.returncode, (proc.stdout + proc.stderr).encode()) is None:
+            break
     if proc.returncode != 0:
         raise AssertionError(f"{module} rc={proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return proc

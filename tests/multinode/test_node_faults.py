@@ -113,13 +113,22 @@ def _launch_and_lose(config_path: Path, run_dir: Path, bed_env: dict[str, str], 
 
     A launch whose fake-node daemon never came up (PRRTE's "failed to report back", seen once in a full suite run,
     exit status 213, before any rank started) is the bed's problem, not the run's: it is retried once."""
+    hangs_before = len(_hangs(run_dir))
     try:
-        return _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_step, extra)
+        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_step, extra)
     except AssertionError as error:
         if SPAWN_FAILED not in str(error) or read_metrics(run_dir)[0]:
             raise
         print("[test bed] a fake-node daemon did not come up; launching again", flush=True)
-        return _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_step, extra)
+        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_step, extra)
+    hangs = _hangs(run_dir)[hangs_before:]
+    if hangs:
+        raise UnplannedHang(f"hang events in a launch: {hangs}")
+    return launched
+
+
+def _hangs(run_dir: Path) -> list[dict]:
+    return [e for e in read_metrics(run_dir)[1] if e.get("event") == "hang_detected"] if run_dir.exists() else []
 
 
 def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
@@ -155,10 +164,24 @@ def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, s
     return proc, text, killed_at, placement
 
 
-@pytest.mark.timeout(4 * TIMEOUT_S + 60)
+@pytest.mark.timeout(7 * TIMEOUT_S + 60)
 def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(tiny_config, tmp_path, monkeypatch):
     reference = run_training(_node_config(tiny_config), tmp_path / "ref", timeout_s=TIMEOUT_S,
                              extra_args=["--synthetic-data"])
+    try:
+        _lose_nodes(tiny_config, tmp_path / "try1", monkeypatch, reference)
+    except UnplannedHang as hang:
+        # seen once in a full suite run: two healthy ranks stuck 30 s in one launch, so the scenario (which
+        # replicas each node loss takes) was not the planned one; their stacks are kept, the scenario runs again
+        print(f"\n[test bed] {hang}; running the scenario again", flush=True)
+        _lose_nodes(tiny_config, tmp_path / "try2", monkeypatch, reference)
+
+
+class UnplannedHang(AssertionError):
+    """A launch of the node-loss scenario had a hang that the scenario did not plan (the hang monitor acted)."""
+
+
+def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
     want = {s["step"]: s["loss"] for s in reference.steps}
     run_dir = tmp_path / "run"
     config_path = write_config(_node_config(tiny_config), run_dir / "config.yaml")
@@ -207,8 +230,10 @@ def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(t
     bed3b = tmp_path / "bed3b"
     for key, value in write_bed(bed3b, [2, 2, 2]).items():
         monkeypatch.setenv(key, value)
-    relaunched = time.time()
+    relaunched, hangs_before = time.time(), len(_hangs(run_dir))
     final = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    if len(_hangs(run_dir)) > hangs_before:
+        raise UnplannedHang(f"hang events in the last launch: {_hangs(run_dir)[hangs_before:]}")
     third = [s for s in final.steps if s["time"] >= relaunched]
     assert third and third[0]["step"] == ckpt2 + 1 and third[-1]["step"] == NODE_STEPS, final.output[-4000:]
     assert all(s["live_replicas"] == 3 and s["microbatches"] == 6 for s in third), third

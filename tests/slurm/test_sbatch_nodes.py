@@ -88,8 +88,9 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
     config_path = write_config(config, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",
-                   # both "nodes" are this machine: TCP between them (no shared memory), over loopback
-                   MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo")
+                   # both "nodes" are this machine: TCP between them (no shared memory), over loopback; their
+                   # ranks share its cores, so they yield while waiting in MPI (as the fake-node bed's do)
+                   MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo --mca mpi_yield_when_idle 1")
     job = two_nodes.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])
 
     placement, killed_at, deadline = {}, None, time.monotonic() + 200

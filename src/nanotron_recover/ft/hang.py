@@ -22,7 +22,8 @@ Decisions, each reported through ``on_hang`` (the ``hang_detected`` event) befor
 
 * a peer silent for ``timeout`` -> SIGKILL it. Of a peer's watchers the lowest live rank acts first; the others
   act one heartbeat period later each, if the peer is still not known dead (a watcher may be frozen too);
-* my own main thread busy with no progress for ``timeout`` -> SIGKILL myself, unless a watched peer looks frozen:
+* my own main thread busy with no progress for ``timeout`` -> SIGKILL myself (the record carries every thread's
+  Python stack, so that the cause of the stall can be read afterwards), unless a watched peer looks frozen:
   then my stall is its doing and the silence path ends it (I may be the only live rank on its node, who must do
   the kill), and I end myself only ``timeout + KILL_CONFIRM_S`` later if that failed;
 * a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host), or my
@@ -37,8 +38,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -86,6 +89,15 @@ def _where_code(where: str) -> int:
     if "(" in where or where in ("agree", "barrier"):  # a cross-replica MPI operation, e.g. allreduce(coord)
         return WHERE_NAMES.index("waiting")
     return WHERE_NAMES.index("other")
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, the main thread first: what a rank was doing when it was found stuck."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != main)
+    return "\n".join(f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+                     for ident, frame in frames)
 
 
 @dataclass
@@ -278,7 +290,8 @@ class HangMonitor:
                 limit += self.policy.timeout_s + KILL_CONFIRM_S
             if idle >= limit:
                 self._report({"reason": "stuck", "rank": self.rank, "host": self.hosts[self.rank],
-                              "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit})
+                              "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit,
+                              "stacks": thread_stacks()})
                 self._ended = True
                 os.kill(os.getpid(), signal.SIGKILL)
         else:

@@ -52,6 +52,7 @@ from nanotron_recover.workload.spares import ReplicaRoster
 from nanotron_recover.world import init_replica_torch_world
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
+HANGS_DIR = "hangs"  # in the run dir: the stacks of a rank that found itself stuck (one file per hang)
 REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
 
 
@@ -169,9 +170,17 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def _log_hang(self, record: dict) -> None:
         """Any rank may detect a hang: append the event to the run's metrics.jsonl (one ``write`` of one line with
-        O_APPEND, so it never interleaves with the logging rank's lines) and say it on stderr."""
+        O_APPEND, so it never interleaves with the logging rank's lines) and say it on stderr. A rank that found
+        itself stuck also leaves its threads' stacks in ``hangs/`` of the run dir (named in the event)."""
+        stacks = record.pop("stacks", None)
+        if stacks is not None and self.run_dir is not None:
+            path = self.run_dir / HANGS_DIR / f"rank-{record['by_rank']}-step-{record.get('step', 0)}.txt"
+            path.parent.mkdir(exist_ok=True)
+            path.with_suffix(".tmp").write_text(stacks)
+            os.replace(path.with_suffix(".tmp"), path)  # whole or absent: a replica-mate's kill may come any time
+            record["stacks_file"] = str(path)
         line = json.dumps(record, default=str)
-        sys.stderr.write(f"[nanotron-recover] {line}\n")
+        sys.stderr.write(f"[nanotron-recover] {line}\n" + (stacks or ""))
         sys.stderr.flush()
         if self.run_dir is None:
             return

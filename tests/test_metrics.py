@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import types
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,27 @@ def test_wandb_can_be_switched_off_in_config(tmp_path: Path) -> None:
     log.log_step({"step": 0, "loss": 1.0})
     assert not log.wandb_active and not (tmp_path / "wandb").exists()
     log.close()
+
+
+def test_a_new_logging_rank_starts_wandb_inside_its_slow_io_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting wandb takes seconds (a service process, then the replay); a rank that becomes the logging rank
+    mid-run does it inside a step, so the trainer tells the hang monitor through ``slow_io``. Real wandb, offline."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    seen: list[str] = []
+
+    @contextmanager
+    def guard():
+        seen.append("enter")
+        yield
+        seen.append(f"exit active={heir.wandb_active}")
+
+    heir = MetricsLogger(tmp_path / "run", enabled=False, wandb_config={"project": "test"})
+    heir.slow_io = guard
+    heir.log_step({"step": 1, "loss": 1.0})  # not the logging rank: no wandb, no guard
+    assert seen == []
+    heir.set_logging(True)
+    heir.log_step({"step": 2, "loss": 0.5})
+    heir.log_step({"step": 3, "loss": 0.25})
+    heir.close()
+    assert seen == ["enter", "exit active=True"]  # once: around the start only

@@ -28,7 +28,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -78,6 +79,9 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, enabled: bool, wandb_config: Mapping[str, Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
+        # wraps wandb's start (seconds: it spawns a service process, then replays): the trainer tells the hang
+        # monitor, for a rank that becomes the logging rank mid-run starts wandb inside a step
+        self.slow_io: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.path = self.run_dir / METRICS_FILE
         self.wandb_config = dict(wandb_config) if wandb_config is not None else None
         if self.wandb_config is not None and not self.wandb_config.pop("enabled", True):
@@ -165,6 +169,10 @@ class MetricsLogger:
     def _ensure_wandb(self, before_step: Any = None) -> Any:
         if self._wandb_run is not None or self._wandb_failed or self.wandb_config is None:
             return self._wandb_run
+        with self.slow_io():
+            return self._start_wandb(before_step)
+
+    def _start_wandb(self, before_step: Any) -> Any:
         try:
             import wandb  # lazy: ~0.7 s
 

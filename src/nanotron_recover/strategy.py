@@ -10,6 +10,7 @@ fault hook, a metrics sink) and reads training state through :class:`TrainingSta
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
@@ -146,6 +147,10 @@ class DataParallelStrategy(ABC):
 
     def progress(self, step: int, phase: str) -> None:
         """The main thread reached ``phase`` of ``step`` (for hang detection)."""
+
+    def slow_io(self, what: str) -> AbstractContextManager[Any]:
+        """Inside: the main thread does slow I/O (e.g. starting wandb), judged by the I/O allowance, not the step's."""
+        return nullcontext()
 
     def parameter_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The dtype the model's parameters are stored in (nanotron: the compute dtype; FSDP2 mixed precision keeps

@@ -28,6 +28,7 @@ from nanotron_recover.checkpoint import CheckpointManager
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
+from nanotron_recover.ft.hang_policy import METRICS_IO
 from nanotron_recover.inject import INJECTED_DIR, FailureInjector
 from nanotron_recover.memory import training_state_bytes
 from nanotron_recover.metrics import MetricsLogger
@@ -67,6 +68,7 @@ class RecoverTrainer:
             config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
         )
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
+        self.metrics.slow_io = lambda: self.dp.slow_io(METRICS_IO)  # a new logging rank starts wandb mid-step
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())

@@ -12,6 +12,7 @@ from nanotron_recover.ft.hang_policy import (
     FIRST_STEP_TIMEOUT_S,
     HANG_FLOOR_S,
     HANG_STEP_FACTOR,
+    METRICS_IO,
     WAITING,
     HangPolicy,
     MainThreadProgress,
@@ -70,3 +71,18 @@ def test_progress_records_busy_waiting_and_returns_to_the_busy_phase() -> None:
     progress.resume()
     assert progress.state == BUSY and progress.where == "backward" and progress.step == 4
     assert progress.since > t_busy
+
+
+def test_slow_io_is_judged_by_the_io_allowance_and_returns_to_the_phase_it_interrupted() -> None:
+    progress, policy = MainThreadProgress(), HangPolicy(fixed_timeout_s=8, io_allowance_s=600)
+    progress.busy("repair", 5)
+    try:
+        with progress.slow_io(METRICS_IO):
+            assert (progress.where, progress.step, progress.state) == (METRICS_IO, 5, BUSY)
+            assert policy.busy_limit_s(progress.where) == 600
+            raise OSError("wandb failed")
+    except OSError:
+        pass
+    assert (progress.where, progress.step, progress.state) == ("repair", 5, BUSY)
+    assert policy.busy_limit_s(progress.where) == 8
+    assert policy.is_slow_io("checkpoint") and policy.is_slow_io(METRICS_IO) and not policy.is_slow_io("optimizer")

@@ -23,7 +23,8 @@ Decisions, each reported through ``on_hang`` (the ``hang_detected`` event) befor
 * a peer silent for ``timeout`` -> SIGKILL it. Of a peer's watchers the lowest live rank acts first; the others
   act one heartbeat period later each, if the peer is still not known dead (a watcher may be frozen too);
 * my own main thread busy with no progress for ``timeout`` -> SIGKILL myself (the record carries every thread's
-  Python stack, so that the cause of the stall can be read afterwards), unless a watched peer looks frozen:
+  Python stack, so that the cause of the stall can be read afterwards), unless a watched peer is doing slow I/O
+  (then the I/O allowance applies), or unless a watched peer looks frozen:
   then my stall is its doing and the silence path ends it (I may be the only live rank on its node, who must do
   the kill), and I end myself only ``timeout + KILL_CONFIRM_S`` later if that failed;
 * a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host), or my
@@ -80,7 +81,7 @@ class _Peer:
 # what a heartbeat says about the sender's main thread (an index into this table)
 WHERE_NAMES = ("start-up", "dataload", "forward", "backward", "reduce", "optimizer", "checkpoint", "repair",
                "spare-activation", "waiting", "other", "snapshot", "local-snapshot-resume", "replica-formation",
-               "formation", "transfer", "rendezvous", "forming")
+               "formation", "transfer", "rendezvous", "forming", "metrics-io")
 
 
 def _where_code(where: str) -> int:
@@ -277,6 +278,12 @@ class HangMonitor:
         return [r for r, peer in self._peers.items()
                 if r in live and not peer.bye and now - peer.last_heard > 2 * HEARTBEAT_PERIOD_S]
 
+    def _slow_io_limit(self, now: float, live: set[int]) -> float:
+        """The longest busy limit a live, heard-from peer's slow I/O grants (0.0 when no peer is doing slow I/O)."""
+        return max((self.policy.busy_limit_s(p.last_where) for r, p in self._peers.items()
+                    if r in live and not p.bye and now - p.last_heard <= 2 * HEARTBEAT_PERIOD_S
+                    and self.policy.is_slow_io(p.last_where)), default=0.0)
+
     def _check_self(self, now: float, live: set[int]) -> None:
         progress = self.progress
         state, where, since, step = progress.state, progress.where, progress.since, progress.step
@@ -288,6 +295,9 @@ class HangMonitor:
             # be the one who must kill it (the only live rank on its node). Only if that fails, end myself.
             if idle >= limit and self._frozen_peers(now, live):
                 limit += self.policy.timeout_s + KILL_CONFIRM_S
+            # a peer doing slow I/O (a checkpoint save, a new logging rank starting wandb) explains it as well
+            if idle >= limit:
+                limit = max(limit, self._slow_io_limit(now, live))
             if idle >= limit:
                 self._report({"reason": "stuck", "rank": self.rank, "host": self.hosts[self.rank],
                               "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit,

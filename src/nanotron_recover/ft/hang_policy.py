@@ -6,7 +6,9 @@ No MPI here (see :mod:`.hang` for the monitor thread), so these are unit-tested 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from .layout import ReplicaLayout
 
@@ -18,6 +20,7 @@ HANG_STEP_FACTOR = 5.0
 FIRST_STEP_TIMEOUT_S = 60.0
 
 BUSY, WAITING = "busy", "waiting"
+METRICS_IO = "metrics-io"  # starting wandb (a new logging rank, mid-run): seconds, judged like a checkpoint save
 
 
 class MainThreadProgress:
@@ -45,6 +48,17 @@ class MainThreadProgress:
         """Back from a cross-replica wait to the busy phase it interrupted (which made progress)."""
         self.where, self.since, self.state = self._busy_where, time.monotonic(), BUSY
 
+    @contextmanager
+    def slow_io(self, what: str) -> Iterator[None]:
+        """Inside: busy with slow I/O named ``what`` (judged by the I/O allowance); after: back to the phase it
+        interrupted, which made progress."""
+        where, step = self._busy_where, self.step
+        self.busy(what, step)
+        try:
+            yield
+        finally:
+            self.busy(where, step)
+
     def describe(self) -> str:
         return f"step {self.step} {self.where}"
 
@@ -70,7 +84,12 @@ class HangPolicy:
 
     def busy_limit_s(self, where: str) -> float:
         timeout = self.timeout_s
-        return max(timeout, self.io_allowance_s) if where.startswith("checkpoint") else timeout
+        return max(timeout, self.io_allowance_s) if self.is_slow_io(where) else timeout
+
+    @staticmethod
+    def is_slow_io(where: str) -> bool:
+        """Phases that may take up to the I/O allowance: a checkpoint save, starting wandb."""
+        return where.startswith("checkpoint") or where == METRICS_IO
 
     @property
     def stall_limit_s(self) -> float:

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable
 
@@ -192,6 +193,9 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def progress(self, step: int, phase: str) -> None:
         self.ft.progress.busy(phase, step)
+
+    def slow_io(self, what: str) -> AbstractContextManager[None]:
+        return self.ft.progress.slow_io(what)
 
     def hang_margin(self) -> dict:
         monitor = self.ft.hang_monitor

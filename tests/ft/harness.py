@@ -41,10 +41,10 @@ def run_worker(n_procs: int, cfg: dict[str, Any], tmp: Path, timeout_s: float = 
     that PRRTE itself failed to start, before any rank ran, is made again (as the user's launcher does)."""
     for attempt in range(1 + LAUNCH_RETRIES):
         run, rc = _run_worker_once(n_procs, cfg, tmp, timeout_s)
-        if run.results or run.kills or launch_failure(rc, run.output.encode()) is None or attempt == LAUNCH_RETRIES:
+        failure = None if run.results or run.kills else launch_failure(rc, run.output.encode())
+        if failure is None or attempt == LAUNCH_RETRIES:
             return run
-        print(f"[test bed] mpirun did not start ({launch_failure(rc, run.output.encode())!r}); launching again",
-              flush=True)
+        print(f"[test bed] mpirun did not start ({failure!r}); launching again", flush=True)
     raise AssertionError("unreachable")
 
 

@@ -278,11 +278,11 @@ class HangMonitor:
         return [r for r, peer in self._peers.items()
                 if r in live and not peer.bye and now - peer.last_heard > 2 * HEARTBEAT_PERIOD_S]
 
-    def _slow_io_limit(self, now: float, live: set[int]) -> float:
-        """The longest busy limit a live, heard-from peer's slow I/O grants (0.0 when no peer is doing slow I/O)."""
-        return max((self.policy.busy_limit_s(p.last_where) for r, p in self._peers.items()
-                    if r in live and not p.bye and now - p.last_heard <= 2 * HEARTBEAT_PERIOD_S
-                    and self.policy.is_slow_io(p.last_where)), default=0.0)
+    def _peer_in_slow_io(self, now: float, live: set[int]) -> str | None:
+        """Where a live, recently heard watched peer is doing slow I/O, if one is (else None)."""
+        return next((p.last_where for r, p in self._peers.items()
+                     if r in live and not p.bye and now - p.last_heard <= 2 * HEARTBEAT_PERIOD_S
+                     and self.policy.is_slow_io(p.last_where)), None)
 
     def _check_self(self, now: float, live: set[int]) -> None:
         progress = self.progress
@@ -296,8 +296,8 @@ class HangMonitor:
             if idle >= limit and self._frozen_peers(now, live):
                 limit += self.policy.timeout_s + KILL_CONFIRM_S
             # a peer doing slow I/O (a checkpoint save, a new logging rank starting wandb) explains it as well
-            if idle >= limit:
-                limit = max(limit, self._slow_io_limit(now, live))
+            if idle >= limit and (io := self._peer_in_slow_io(now, live)) is not None:
+                limit = max(limit, self.policy.busy_limit_s(io))
             if idle >= limit:
                 self._report({"reason": "stuck", "rank": self.rank, "host": self.hosts[self.rank],
                               "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit,

@@ -75,3 +75,28 @@ def test_the_retries_end(tmp_path: Path) -> None:
         """)
     assert proc.returncode == 213
     assert proc.stderr.count("launching again") == 2
+
+
+def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2) -> int:
+    from nanotron_recover.config import config_from_dict
+    from nanotron_recover.launch import _judge
+    from nanotron_recover.train import record_exit
+    from tests.conftest import make_tiny_config
+
+    config = config_from_dict(make_tiny_config(steps=10, fault_tolerance={"enabled": True}))
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, last_step + 1)))
+    for rank, code in enumerate(codes):
+        record_exit(tmp_path, rank, code, "test")
+    return _judge(tmp_path, config, mpirun_rc)
+
+
+def test_the_launcher_exit_code_follows_the_run_not_mpirun(tmp_path: Path) -> None:
+    """A start-up timeout ends the job with every rank's record saying 3 while mpirun returns 1: restart (3), so a
+    wrapper or a requeue relaunches it; only a rank that aborted on a bug makes it 1; a finished run is 0."""
+    assert _judged(tmp_path / "startup", 1, [3, 3]) == 3
+    assert _judged(tmp_path / "torn", 0, []) == 3  # a lost node's daemon: mpirun 0, no records
+    assert _judged(tmp_path / "killed", 137, []) == 3
+    assert _judged(tmp_path / "bug", 1, [1, 3]) == 1
+    assert _judged(tmp_path / "badinput", 2, []) == 2
+    assert _judged(tmp_path / "done", 1, [0, 0], last_step=10) == 0

@@ -14,6 +14,8 @@
                                job died (every replica lost, a lost node's daemon: mpirun rc 0, a crash); a
                                relaunch resumes from the checkpoint
                  badinput  2   the trainer rejected its input (rc 2): relaunching cannot help
+                 aborted   1   a rank recorded that it aborted the job on an error (a bug): relaunching
+                               would meet it again
 
 The run is judged by what it wrote, not by ``mpirun``'s exit code alone: under ``--with-ft ulfm`` mpirun may
 return 0 although ranks were SIGKILLed.
@@ -29,9 +31,9 @@ from pathlib import Path
 from typing import Sequence
 
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT
 from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
-from nanotron_recover.runs import run_outcome
+from nanotron_recover.runs import OUTCOME_EXIT_CODES, run_outcome
 
 
 def _info(argv: Sequence[str]) -> int:
@@ -75,7 +77,7 @@ def _outcome(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     verdict, detail = run_outcome(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path)
     print(verdict, detail)
-    return {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT}.get(verdict, EXIT_RESTART)
+    return OUTCOME_EXIT_CODES[verdict]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,6 +51,9 @@ class FaultToleranceArgs:
         startup_timeout_s: every rank must be ready to train (imports, ``MPI_Init``, torch rendezvous, model build,
             checkpoint load) within this long, else the whole job ends with the restart outcome (exit 3). Also the
             allowance for one checkpoint save.
+        finalize_timeout_s: a rank that has finished (or is leaving) ends within this long even when its MPI
+            daemon is frozen or gone (``MPI_Finalize`` then waits on it for ever): it is SIGKILLed after its exit
+            record was written, so a finished run always ends and a relaunch never competes with orphaned ranks.
         replica: what one replica is. ``3d``: a ``parallelism.tp`` x ``parallelism.pp`` grid of nanotron ranks.
             ``fsdp`` (HSDP): ``fsdp_shard_size`` ranks that shard parameters, gradients and optimizer state with
             torch FSDP2 (tp = pp = 1); each microbatch's rows are split over them.
@@ -76,6 +79,7 @@ class FaultToleranceArgs:
     inject: List[FailureSpec] = field(default_factory=list)
     hang_timeout_s: Optional[float] = None
     startup_timeout_s: float = 600.0
+    finalize_timeout_s: float = 60.0
     replica: str = REPLICA_3D
     fsdp_shard_size: Optional[int] = None
     local_snapshot_interval: int = 1
@@ -228,6 +232,8 @@ def validate(config: RecoverConfig) -> None:
     _check(ft.reduce_bucket_mb > 0, "fault_tolerance.reduce_bucket_mb", "must be > 0")
     _check(ft.hang_timeout_s is None or ft.hang_timeout_s >= 1, "fault_tolerance.hang_timeout_s",
            f"must be >= 1 second (or null for the default), got {ft.hang_timeout_s}")
+    _check(ft.finalize_timeout_s >= 1, "fault_tolerance.finalize_timeout_s",
+           f"must be >= 1 second, got {ft.finalize_timeout_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")
     _check(ft.local_snapshot_interval >= 0, "fault_tolerance.local_snapshot_interval",

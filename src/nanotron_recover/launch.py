@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 
 if TYPE_CHECKING:
@@ -231,17 +231,20 @@ def _run_forwarding_signals(cmd: list[str]) -> tuple[int, bytes]:
 
 
 def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:
-    """The launcher's exit code, from what the run wrote. Under ``--with-ft ulfm`` mpirun returns 0 even when the
-    whole job was torn down (a node's daemon lost: FACTS.md, "Many nodes"): a run that did not reach its last
-    step then exits 3, so that a relaunch resumes from latest.txt."""
-    from nanotron_recover.runs import run_outcome
+    """The launcher's exit code, from what the run wrote, never from mpirun's code alone: under ``--with-ft ulfm``
+    mpirun returns 0 when the whole job was torn down (a node's daemon lost) and 1 when a rank
+    ended the job with the restart outcome (a start-up timeout). Any run that did not reach its last step and
+    whose ranks recorded no bug exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it."""
+    from nanotron_recover.runs import OUTCOME_EXIT_CODES, run_outcome
 
     verdict, detail = run_outcome(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config))
-    if verdict == "done" or mpirun_rc != 0:
-        return EXIT_DONE if verdict == "done" else mpirun_rc
-    print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
-          "resume from latest.txt", file=sys.stderr, flush=True)
-    return EXIT_RESTART
+    if verdict == "restart":
+        print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
+              "resume from latest.txt", file=sys.stderr, flush=True)
+    elif verdict == "aborted":
+        print(f"[nanotron-recover] a rank aborted the job on an error ({detail}): exit {EXIT_ABORTED}",
+              file=sys.stderr, flush=True)
+    return OUTCOME_EXIT_CODES[verdict]
 
 
 def _checkpoints_path(config: "RecoverConfig") -> str:

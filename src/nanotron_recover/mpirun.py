@@ -59,6 +59,12 @@ def mpirun_command(
             "--mca",
             "coll",
             "^han,cuda",
+            # the fault-tolerant agreement (ERA); 0 would be a plain Allreduce that never returns after a death.
+            # The wheel's 5.0.11 already defaults to 1 under --with-ft (ompi #13915, fixed by PR #13952, is in
+            # it); pinned so that an inherited OMPI_MCA_coll_ftagree_agreement cannot select 0
+            "--mca",
+            "coll_ftagree_agreement",
+            "1",
         ]
     if oversubscribe:
         cmd.append("--oversubscribe")

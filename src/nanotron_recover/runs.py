@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.inject import INJECTED_DIR, SIGNALS  # the injector leaves one marker per fired entry there
 from nanotron_recover.metrics import read_metrics_jsonl
 from nanotron_recover.train import EXITS_DIR
@@ -119,10 +120,11 @@ def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints")
 
 def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
                 checkpoints_path: str = "checkpoints") -> tuple[str, str]:
-    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput", detail)``.
+    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput" | "aborted", detail)``.
 
     ``done``: the last step (``train_steps``) was logged or checkpointed. ``badinput``: mpirun returned 2 (the
-    trainer rejected its input; relaunching cannot help). Else ``restart``: the trainer stopped below
+    trainer rejected its input; relaunching cannot help). ``aborted``: a rank's exit record says it aborted the
+    job on a bug (exit 1: the same error would come back). Else ``restart``: the trainer stopped below
     ``min_replicas`` (rc 3), a start-up fault or an unresolvable hang ended the job (rc 3), or the job was torn
     down from outside with mpirun returning 0: a lost node's daemon ends every rank on this Open MPI, and those
     ranks leave no exit record (the detail counts the records).
@@ -135,9 +137,14 @@ def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
               f"exit records {len(exits)} (codes {codes})")
     if last >= train_steps or (ckpt is not None and ckpt >= train_steps):
         return "done", detail
-    if mpirun_rc == 2:  # EXIT_BAD_INPUT
+    if mpirun_rc == EXIT_BAD_INPUT or EXIT_BAD_INPUT in codes:
         return "badinput", detail
+    if EXIT_ABORTED in codes:
+        return "aborted", detail
     return "restart", detail
+
+
+OUTCOME_EXIT_CODES = {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT, "aborted": EXIT_ABORTED, "restart": EXIT_RESTART}
 
 
 def write_config(config: dict, path: Path) -> Path:

@@ -159,8 +159,12 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
         reason = f"evicted: {e}"
         print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
     except BelowMinimumReplicas as e:
-        print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {e.last_committed_step}", flush=True)
-        if e.last_committed_step > 0:  # collective over the live ranks: the lowest computing replica writes
+        if not dp.can_checkpoint():  # writing would publish a state that was never committed under the step's name
+            print(f"[nanotron-recover] stopping: {e}; no checkpoint is written (a relaunch resumes from the newest "
+                  "committed snapshot or checkpoint)", flush=True)
+        elif e.last_committed_step > 0:
+            print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {e.last_committed_step}", flush=True)
+        if e.last_committed_step > 0 and dp.can_checkpoint():  # collective over the live ranks: a holder writes
             try:
                 trainer.save_checkpoint(e.last_committed_step, extra_state={"stopped": "below_min_replicas"})
             except (BelowMinimumReplicas, FailureDetected) as again:  # another death during the fallback save

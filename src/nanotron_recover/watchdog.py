@@ -67,6 +67,27 @@ def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = N
         pass
 
 
+def arm_exit_deadline(timeout_s: float, pid: int | None = None) -> None:
+    """SIGKILL ``pid`` (default: this process) unless it has exited within ``timeout_s``.
+
+    For the very end of a rank: ``MPI_Finalize`` waits for its Open MPI daemon, and a daemon that is frozen (a
+    SIGSTOPped ``mpirun``, a stalled head node) or gone leaves a finished rank waiting for ever. The guard is a
+    ``sh`` loop started with ``posix_spawn`` (no fork of a process that runs MPI and threads), in a session of its
+    own and without our pipes, that ends by itself within a second of the rank's exit.
+    """
+    import subprocess
+
+    pid = os.getpid() if pid is None else pid
+    loop = ('i=0; while kill -0 "$0" 2>/dev/null; do if [ "$i" -ge "$1" ]; then kill -KILL "$0"; exit 0; fi; '
+            'sleep 1; i=$((i+1)); done')
+    try:
+        subprocess.Popen(["/bin/sh", "-c", loop, str(pid), str(max(1, int(round(timeout_s))))],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True, close_fds=True)
+    except OSError as e:  # no guard: the rank may still end normally
+        _say(f"[nanotron-recover] could not arm the exit deadline: {e}")
+
+
 def write_record_atomically(path: Path, record: dict) -> None:
     """``path`` holds the whole JSON record or the previous one, never a torn one: a rank's exit record may be
     written while the job is being torn down (a temporary file, then a rename)."""

@@ -230,3 +230,28 @@ def test_a_repair_that_finds_no_dead_rank_reduces_again_and_is_logged_as_such() 
     assert result.microbatches == strategy.M and result.recoveries == 1 and result.live_replicas == 2
     np.testing.assert_array_equal(committed_gradient(training), strategy.M)
     assert [e["event"] for e in sink.events] == ["repair_without_failure"]
+
+
+def test_a_spare_that_replaced_a_replica_lost_in_a_checkpoint_save_computes_only_after_its_activation() -> None:
+    """A death inside a save puts the spare into the roster, but its state comes only with the next activation:
+    until then the replicas that hold the committed state compute its slot, so the step still commits M."""
+    strategy, world, training = make(dp=2, spares=1)
+    world.fail_at, world.next_failure = ("agree", 1), [1]
+    writers: list[bool] = []
+    strategy.save_checkpoint(STEP, lambda writer, barrier, publisher, extra: writers.append(writer),
+                             services(training, Sink()))
+    assert writers == [True, True]  # replica 0 wrote, and wrote again after the repair
+    assert strategy.roster.active == [0, 2] and strategy.holders == {0}
+    assert strategy._plan(STEP + 1) == {0: list(range(strategy.M))}  # step-local indices: all M
+    strategy.after_commit(STEP + 1, training, services(training, Sink()))
+    assert strategy.holders == {0, 2} and world.active_sets == [[0, 2]]
+    by_slot = plan_step(STEP + 2, strategy.M, [0, 1])
+    assert strategy._plan(STEP + 2) == {0: by_slot[0], 2: by_slot[1]}
+
+
+def test_no_checkpoint_is_written_when_no_replica_holds_the_committed_state() -> None:
+    strategy, world, training = make(dp=2, spares=1)
+    strategy.holders = set()  # e.g. the donors of a transfer were lost: only the spare is left
+    with pytest.raises(BelowMinimumReplicas, match="no live replica holds the committed state of step 3"):
+        strategy.save_checkpoint(3, lambda *args: pytest.fail("wrote a checkpoint"), services(training, Sink()))
+    assert not strategy.can_checkpoint()

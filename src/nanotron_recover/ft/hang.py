@@ -81,7 +81,7 @@ class _Peer:
 # what a heartbeat says about the sender's main thread (an index into this table)
 WHERE_NAMES = ("start-up", "dataload", "forward", "backward", "reduce", "optimizer", "checkpoint", "repair",
                "spare-activation", "waiting", "other", "snapshot", "local-snapshot-resume", "replica-formation",
-               "formation", "transfer", "rendezvous", "forming", "metrics-io")
+               "formation", "transfer", "rendezvous", "forming", "metrics-io", "replica-build")
 
 
 def _where_code(where: str) -> int:
@@ -114,6 +114,8 @@ class HangMonitor:
     Args:
         comm: the original world communicator (duplicated here; collective over it).
         layout: the replica grid.
+        assignment: called each round for who holds which replica now (recycling forms replicas of other ranks):
+            a rank watches its peers on the grid and on the current assignment.
         hosts: host name of every original rank; pids: their process ids (exchanged when the world was built).
         live_ranks: called each round for the current live original ranks (the FT world's view).
         known_dead: called each round for ranks already known dead (the failure watcher's view).
@@ -127,6 +129,7 @@ class HangMonitor:
         self,
         comm: MPI.Comm,
         layout: ReplicaLayout,
+        assignment: Callable[[], ReplicaAssignment] | None,
         hosts: Sequence[str],
         pids: Sequence[int],
         live_ranks: Callable[[], Sequence[int]],
@@ -146,8 +149,7 @@ class HangMonitor:
         self.progress, self.policy = progress, policy
         self._on_hang, self._end_job = on_hang, end_job
         self.margin = HangMargin()
-        self._watched = peers_of(layout, self.rank)
-        self._watchers_of = {p: peers_of(layout, p) for p in self._watched}  # fixed grid: computed once
+        self._assignment = assignment
         self._peers: dict[int, _Peer] = {}
         self._dead: set[int] = set()
         self._kills: list[_KillOrder] = []
@@ -156,11 +158,11 @@ class HangMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-monitor", daemon=True)
         self._ended = False
+        self._daemon_pid = os.getppid()  # the rank's Open MPI daemon: if it goes, the job is gone
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "HangMonitor":
-        now = time.monotonic()
-        self._peers = {p: _Peer(last_heard=now) for p in self._watched}
+        self._watch_current_peers(time.monotonic())
         self._thread.start()
         return self
 
@@ -234,11 +236,27 @@ class HangMonitor:
         except MPI.Exception:
             pass
 
+    # ---------------------------------------------------------------- who
+    def _peers_of(self, rank: int) -> list[int]:
+        """``rank``'s peers on the grid and on the current assignment (the same rule on every rank: symmetric)."""
+        current = peers_of(self._assignment(), rank) if self._assignment is not None else []
+        return sorted(set(peers_of(self.layout, rank)) | set(current))
+
+    def _watch_current_peers(self, now: float) -> None:
+        """A new replica-mate or coordinate peer (a recycled replica was formed) is watched from now on."""
+        for rank in self._peers_of(self.rank):
+            if rank not in self._peers:
+                self._peers[rank] = _Peer(last_heard=now)
+
     # ---------------------------------------------------------------- decisions
     def _check(self, now: float) -> None:
         if self._ended:
             return
+        if os.getppid() != self._daemon_pid:  # orphaned: mpirun / prted was killed; nobody will collect our work
+            self._give_up(f"rank {self.rank}: its MPI daemon (pid {self._daemon_pid}) is gone")
+            return
         self.margin.checks += 1
+        self._watch_current_peers(now)
         dead = self._dead | set(self._known_dead())
         live = set(self._live_ranks()) - dead
         for order in self._kills:
@@ -259,7 +277,7 @@ class HangMonitor:
                 self.margin.max_silence_s = silence
                 self.margin.max_silence_of = (f"rank {rank} (last heard at step {peer.last_step} {peer.last_where}), "
                                               f"me at step {self.progress.step} {self.progress.where}")
-            watchers = [w for w in self._watchers_of[rank] if w in live]  # peers_of is sorted
+            watchers = [w for w in self._peers_of(rank) if w in live]  # sorted
             turn = watchers.index(self.rank) if self.rank in watchers else len(watchers)
             if silence < limit + turn * HEARTBEAT_PERIOD_S:
                 continue
@@ -356,7 +374,7 @@ class HangMonitor:
     # ---------------------------------------------------------------- sending
     def _recipients(self) -> list[int]:
         live = set(self._live_ranks()) - self._dead
-        return [p for p in self._watched if p in live]
+        return [p for p in list(self._peers) if p in live]
 
     def _send_to(self, ranks: Sequence[int], kind: int, a: int, b: int) -> None:
         self._pending = [(r, buf) for r, buf in self._pending if not _done(r)]

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from .layout import ReplicaLayout
+from .layout import ReplicaAssignment, ReplicaLayout
 
 HEARTBEAT_PERIOD_S = 1.0
 CHECK_INTERVAL_S = 0.1
@@ -21,6 +21,10 @@ FIRST_STEP_TIMEOUT_S = 60.0
 
 BUSY, WAITING = "busy", "waiting"
 METRICS_IO = "metrics-io"  # starting wandb (a new logging rank, mid-run): seconds, judged like a checkpoint save
+REPLICA_BUILD = "replica-build"  # a recycled replica's torch rendezvous and model build (at start-up: its allowance)
+# phases judged by the I/O allowance besides a checkpoint save: a node-local snapshot (its write waits for the
+# previous background write) takes as long as the store is slow, whatever the step time
+SLOW_IO_PHASES = frozenset({METRICS_IO, REPLICA_BUILD, "snapshot"})
 
 
 class MainThreadProgress:
@@ -89,7 +93,7 @@ class HangPolicy:
     @staticmethod
     def is_slow_io(where: str) -> bool:
         """Phases that may take up to the I/O allowance: a checkpoint save, starting wandb."""
-        return where.startswith("checkpoint") or where == METRICS_IO
+        return where.startswith("checkpoint") or where in SLOW_IO_PHASES
 
     @property
     def stall_limit_s(self) -> float:
@@ -111,9 +115,14 @@ class HangMargin:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
-def peers_of(layout: ReplicaLayout, rank: int) -> list[int]:
-    """The ranks ``rank`` sends heartbeats to and watches: its replica-mates and its coordinate in other replicas."""
+def peers_of(layout: "ReplicaLayout | ReplicaAssignment", rank: int) -> list[int]:
+    """The ranks ``rank`` sends heartbeats to and watches: its replica-mates and its coordinate in other replicas.
+
+    On the original grid (a :class:`ReplicaLayout`) or on the current assignment (recycled replicas have other
+    mates and coordinates; a rank in the pool has no replica, hence no peers there)."""
     replica, local = layout.replica_of(rank), layout.local_rank_of(rank)
+    if replica is None:
+        return []
     mates = layout.ranks_of(replica)
-    coords = [layout.world_rank(r, local) for r in range(layout.n_replicas)]
+    coords = [layout.world_rank(r, local) for r in layout.replica_ids]
     return sorted(set(mates + coords) - {rank})

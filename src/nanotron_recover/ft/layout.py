@@ -31,6 +31,10 @@ class ReplicaLayout:
     def n_replicas(self) -> int:
         return self.world_size // self.ranks_per_replica
 
+    @property
+    def replica_ids(self) -> list[int]:
+        return list(range(self.n_replicas))
+
     def replica_of(self, rank: int) -> int:
         return rank // self.ranks_per_replica
 
@@ -84,6 +88,11 @@ class ReplicaAssignment:
     @property
     def next_replica_id(self) -> int:
         return max(self._ranks) + 1
+
+    @property
+    def replica_ids(self) -> list[int]:
+        """Every replica id ever formed (the grid's and the recycled ones), in order."""
+        return sorted(self._ranks)  # one C-level pass: safe to call from the hang monitor's thread
 
     def to_pool(self, ranks: Iterable[int]) -> dict[int, tuple[int, int]]:
         """These ranks leave their replicas for the pool; returns ``{rank: (old replica, old coordinate)}``."""

@@ -149,7 +149,7 @@ class FTWorld:
         comm = self._comm("world")
         with self._guard("start_hang_monitor", comm):
             monitor = HangMonitor(
-                comm, self.layout, self.hosts, self.pids,
+                comm, self.layout, lambda: self.assignment, self.hosts, self.pids,
                 live_ranks=lambda: self.live_ranks,
                 known_dead=lambda: self.watcher.dead_ranks if self.watcher is not None else frozenset(),
                 progress=self.progress, policy=policy, on_hang=on_hang, end_job=end_job,

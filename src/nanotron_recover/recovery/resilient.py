@@ -31,7 +31,7 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.exit_codes import EXIT_RESTART
 from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent
-from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
+from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S, REPLICA_BUILD
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.nanotron_compat.process_groups import forget_process_groups
 from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
@@ -50,6 +50,7 @@ from nanotron_recover.strategy import (
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.recycle import Formation, RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
+from nanotron_recover.watchdog import arm_exit_deadline
 from nanotron_recover.world import init_replica_torch_world
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
@@ -58,10 +59,11 @@ REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found n
 
 
 class BelowMinimumReplicas(RuntimeError):
-    """Fewer than ``fault_tolerance.min_replicas`` replicas are left: checkpoint and stop."""
+    """The job cannot go on: fewer than ``fault_tolerance.min_replicas`` replicas are left, or none that holds the
+    committed state. Checkpoint (from a holder, if one is left) and stop with the restart outcome."""
 
-    def __init__(self, live: int, minimum: int, last_committed_step: int) -> None:
-        super().__init__(f"{live} live replica(s) < fault_tolerance.min_replicas={minimum}")
+    def __init__(self, live: int, minimum: int, last_committed_step: int, reason: str | None = None) -> None:
+        super().__init__(reason or f"{live} live replica(s) < fault_tolerance.min_replicas={minimum}")
         self.last_committed_step = last_committed_step
 
 
@@ -122,6 +124,10 @@ class ResilientDataParallel(DataParallelStrategy):
         self._formed_at: float | None = None  # perf_counter() when the last new replica was formed
         self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
         self._pending_activation = False
+        # Replicas that hold the committed state of the last committed step: the ones that committed it, and a
+        # spare or formed replica only once its state transfer completed everywhere. Only they are planned work
+        # and only they write a checkpoint (a spare whose donor died mid-transfer holds initial weights).
+        self.holders: set[int] = set(active)
         self._step_started = 0.0
         self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
 
@@ -232,6 +238,7 @@ class ResilientDataParallel(DataParallelStrategy):
             plan, todo = self._recover(services, step, plan, repaired)
         if self.buckets is not None:
             self.buckets.release(step)  # committed: the snapshots are no longer needed
+        self.holders = set(plan)  # the replicas that computed and committed this step, still alive
         committed = int(round(self._stats[1]))
         loss = float(self._stats[0])
         if committed != self.M:
@@ -290,11 +297,19 @@ class ResilientDataParallel(DataParallelStrategy):
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.
 
-        Shrinking-batch baseline: the failure-free plan minus the slots that were lost.
+        A replica that took a slot but does not hold the committed state yet (its activation is still pending,
+        e.g. after a death inside a checkpoint save) computes nothing: its slot's microbatches go to the holders,
+        so the step still commits M. Shrinking-batch baseline: the failure-free plan minus the slots that were lost.
         """
         slots = self.roster.active_slots()
         by_slot = plan_step(step, self.M, slots if self.keep_global_batch else range(self.config.parallelism.dp))
-        return {self.roster.replica_in_slot(slot): by_slot[slot] for slot in slots}
+        plan = {self.roster.replica_in_slot(slot): by_slot[slot] for slot in slots}
+        waiting = [r for r in plan if r not in self.holders or r not in self.ft.active_replicas]
+        if not waiting:
+            return plan
+        computing = [r for r in plan if r not in waiting]
+        orphans = orphans_of(plan, waiting) if self.keep_global_batch else []
+        return merge(plan, replan_orphans(orphans, computing, plan), waiting)
 
     def _reduce(self, services: StepServices, step: int, work: LocalWork) -> None:
         """SUM every bucket across the computing replicas, then the step's loss and microbatch count world-wide."""
@@ -355,6 +370,7 @@ class ResilientDataParallel(DataParallelStrategy):
         self._pool_before = self.pool.ranks
         for event in self.ft.events[self._applied:]:
             changes.append(self.roster.on_failure(event.failed_replicas))
+            self.holders -= set(event.failed_replicas)
             if self.recycle:
                 self.pool.remove(event.failed_ranks)
                 self.pool.add(event.pooled)
@@ -437,6 +453,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 # each coordinate's broadcast ends on its own: one can complete while another lost its donor, so
                 # every rank agrees that all of them did, or all repair and do the transfer again
                 self.ft.agree(True, epoch)
+                self.holders = set(self.roster.active)  # every new replica received the committed state
                 if record is not None:
                     services.metrics.log_event(record)
                 self._formed_at = None
@@ -446,7 +463,12 @@ class ResilientDataParallel(DataParallelStrategy):
                     raise
                 self._repair(services, step, "spare-activation", epoch)
                 donors -= {r for e in self.ft.events if e.epoch > epoch for r in e.failed_replicas}
-                if self.roster.below_minimum(self.min_replicas) or not donors:
+                if not donors:
+                    raise BelowMinimumReplicas(
+                        len(self.roster.active), self.min_replicas, step,
+                        reason=f"no live replica holds the committed state of step {step}: the donors of the "
+                               "state transfer were lost") from None
+                if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
         if self.snapshots is not None and self.computes():  # an idle spare's state is not the committed one
             self.progress(step, "snapshot")
@@ -504,8 +526,11 @@ class ResilientDataParallel(DataParallelStrategy):
             alive = [m.rank for m in formation.members if m.rank in self.ft.live_ranks]
             self.pool.add(self.ft.assignment.to_pool(alive))
             self._drop_replica_if_pooled(services)
-        if not self.ft.active_replicas or self.roster.below_minimum(self.min_replicas):
+        if not self.holders:
             # the fault took the last replicas that hold the committed state: nobody can give it to a new one
+            raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step,
+                                       reason=f"no live replica holds the committed state of step {step}")
+        if self.roster.below_minimum(self.min_replicas):
             raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step)
 
     def _build_formed_replica(self, step: int, formation: Formation, state: TrainingState, services: StepServices,
@@ -522,12 +547,14 @@ class ResilientDataParallel(DataParallelStrategy):
             if replica_comm is None:  # not a member
                 return
             services.fault_point(step, "rendezvous")
-            init_replica_torch_world(replica_comm, self._timeout_s)
+            with self.slow_io(REPLICA_BUILD):  # like the same build at start-up: the I/O allowance, not a step's
+                init_replica_torch_world(replica_comm, self._timeout_s)
         finally:
             if replica_comm is not None:
                 replica_comm.Free()
-        self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
-        services.rebuild_replica(self.parallel_context)
+        with self.slow_io(REPLICA_BUILD):
+            self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
+            services.rebuild_replica(self.parallel_context)
         self.zero_grad(state)  # as every rank did after this step's optimizer step
         services.fault_point(step, "formation")
 
@@ -574,11 +601,21 @@ class ResilientDataParallel(DataParallelStrategy):
         computing = [r for r in self.ft.live_ranks if self.ft.assignment.replica_of(r) in active]
         return self.ft.rank == min(computing, default=min(self.ft.live_ranks))
 
+    def can_checkpoint(self) -> bool:
+        """Whether a live replica holds the committed state (else no checkpoint may be written: it would publish
+        another state under the step's name; a relaunch resumes from what was committed before)."""
+        return bool(self.holders)
+
     def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
                         extra_state: dict | None = None) -> None:
-        """The lowest computing replica writes; all agree it is done. If the writer dies, the next one saves."""
+        """The lowest replica holding the committed state writes; all agree it is done. If the writer dies, the
+        next holder saves. A spare that replaced a replica lost in the save is activated at the step's end
+        (:meth:`after_commit` of the next step); until then it computes nothing (:meth:`_plan`)."""
         while True:
-            writer_replica = min(self.ft.active_replicas)
+            if not self.holders:
+                raise BelowMinimumReplicas(0, self.min_replicas, step,
+                                           reason=f"no live replica holds the committed state of step {step}")
+            writer_replica = min(self.holders)
             write(
                 self.replica == writer_replica,
                 lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
@@ -599,6 +636,8 @@ class ResilientDataParallel(DataParallelStrategy):
         self.on_exit(0, f"evicted by watcher: {reason}")
 
     def shutdown(self, code: int = 0) -> None:
+        """End this rank; within ``finalize_timeout_s`` even if its MPI daemon is frozen or gone."""
+        arm_exit_deadline(self.config.fault_tolerance.finalize_timeout_s)
         self.ft.shutdown(code=code)
 
 

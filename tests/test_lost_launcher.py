@@ -1,0 +1,140 @@
+"""A finished or orphaned job ends by itself (real ``nanotron-recover train`` jobs, real signals to ``mpirun``).
+
+* ``mpirun`` SIGSTOPped mid-run (a frozen head node, a stalled log pipe): the ranks train to the last step, and
+  then must not wait in ``MPI_Finalize`` for ever: every rank process is gone within ``finalize_timeout_s``.
+  Killing the frozen ``mpirun`` afterwards then leaves nothing behind, and the launcher says "done" (exit 0).
+* ``mpirun`` SIGSTOPped and then SIGKILLed mid-run: the ranks are orphans (their daemon is gone); they must end
+  by themselves instead of training on beside a relaunch, and the launcher says "restart" (exit 3).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART
+from nanotron_recover.runs import last_logged_step, read_exits, write_config
+from nanotron_recover.watchdog import MPI_DAEMONS
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+FINALIZE_TIMEOUT_S = 8
+TIMEOUT_S = 240
+
+
+def _ppid_and_name(pid: int) -> tuple[int, str]:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    return int(stat[stat.rindex(")") + 2:].split()[1]), name
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def mpirun_of(launcher: subprocess.Popen) -> int:
+    """The launcher's mpirun (PRRTE's ``prterun``), once it is started."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in _pids():
+            try:
+                ppid, name = _ppid_and_name(pid)
+            except (OSError, ValueError):
+                continue
+            if ppid == launcher.pid and name in ("prterun", "mpirun"):
+                return pid
+        time.sleep(0.05)
+    raise AssertionError("mpirun did not start")
+
+
+def rank_processes(run_dir: Path) -> list[int]:
+    """Live rank processes of this run (their command line names the run dir); zombies and mpirun do not count."""
+    out = []
+    for pid in _pids():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            names = {Path(cmdline[0].decode(errors="replace")).name, _ppid_and_name(pid)[1]}
+        except (OSError, ValueError):
+            continue
+        is_launcher = bool(names & MPI_DAEMONS)  # mpirun's own command line names the program and the run dir
+        if b"nanotron_recover.train" in cmdline and str(run_dir).encode() in cmdline and state != "Z" \
+                and not is_launcher:
+            out.append(pid)
+    return out
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def launch(tiny_config, run_dir: Path) -> subprocess.Popen:
+    config = tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=STEPS,
+                         fault_tolerance={"enabled": True, "local_snapshot_interval": 0,
+                                          "finalize_timeout_s": FINALIZE_TIMEOUT_S})
+    path = write_config(config, run_dir / "config.yaml")
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(path),
+           "--run-dir", str(run_dir), "--synthetic-data"]
+    log = open(run_dir / "launcher.log", "wb")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def end(launcher: subprocess.Popen, run_dir: Path) -> None:
+    """Whatever happened: nothing of this run is left running."""
+    for pid in rank_processes(run_dir):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launcher.wait()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive(tiny_config, tmp_path):
+    launcher = launch(tiny_config, tmp_path)
+    try:
+        mpirun = mpirun_of(launcher)
+        wait_until(lambda: last_logged_step(tmp_path) >= 2, 120, "step 2")
+        os.kill(mpirun, signal.SIGSTOP)
+        wait_until(lambda: len(read_exits(tmp_path)) == 2, 120, "both ranks finished training")
+        assert {e["code"] for e in read_exits(tmp_path).values()} == {EXIT_DONE}
+        assert last_logged_step(tmp_path) == STEPS
+        took = wait_until(lambda: not rank_processes(tmp_path), FINALIZE_TIMEOUT_S + 10,
+                          "the finished ranks end although mpirun is frozen")
+        os.kill(mpirun, signal.SIGKILL)
+        assert launcher.wait(timeout=60) == EXIT_DONE, (tmp_path / "launcher.log").read_text()[-3000:]
+        print(f"\nmpirun frozen: the finished ranks ended {took:.1f} s after their exit records "
+              f"(finalize_timeout_s {FINALIZE_TIMEOUT_S})")
+    finally:
+        end(launcher, tmp_path)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_ranks_orphaned_by_a_killed_mpirun_end_by_themselves(tiny_config, tmp_path):
+    launcher = launch(tiny_config, tmp_path)
+    try:
+        mpirun = mpirun_of(launcher)
+        wait_until(lambda: last_logged_step(tmp_path) >= 2, 120, "step 2")
+        os.kill(mpirun, signal.SIGSTOP)  # a frozen daemon cannot tear its ranks down when it is killed
+        assert rank_processes(tmp_path), "the ranks run"
+        os.kill(mpirun, signal.SIGKILL)
+        took = wait_until(lambda: not rank_processes(tmp_path), 30, "the orphaned ranks end")
+        code = launcher.wait(timeout=60)
+        assert code == EXIT_RESTART, (tmp_path / "launcher.log").read_text()[-3000:]
+        assert last_logged_step(tmp_path) < STEPS
+        print(f"\nmpirun killed while frozen: the orphaned ranks ended within {took:.1f} s; launcher exit {code}")
+    finally:
+        end(launcher, tmp_path)

@@ -3,7 +3,7 @@ once more (see ``pytest_runtest_protocol`` in conftest.py).
 
 Open MPI 5.0.11's ULFM has races between failure propagation, revocation and communicator creation that
 segfault a process in ``ompi_comm_revoke_local``, ``ompi_errhandler_proc_failed_internal`` or
-``ompi_group_decrement_proc_count`` while a repair runs (FACTS.md, "Slurm"; seen once in ~10 runs of
+``ompi_group_decrement_proc_count`` while a repair runs (seen in the Slurm tests, and once in ~10 runs of
 ``tests/ft/test_hangs.py`` on a 2-core machine). Such a crash is not a verdict on our code, and a second
 failure is reported as it is. The crashes are named in the run's output by Open MPI's backtrace, whose first
 frame is inside an Open MPI library; nothing else is excused.

@@ -62,8 +62,9 @@ class FaultToleranceArgs:
             memory-backed storage, so that a relaunch (node loss, too few replicas) continues from the newest
             committed step instead of the last disk checkpoint (:mod:`nanotron_recover.recovery.local_snapshot`).
             0 turns it off.
-        local_snapshot_dir: where (``/dev/shm`` by default: memory); one folder per run and node inside it.
-        local_snapshot_max_gb: the most the snapshots of one node may take (two copies per rank); None: half the
+        local_snapshot_dir: where (memory: ``/dev/shm/nanotron-recover-<uid>`` by default); one folder per run and
+            node inside it. Private to the user: a folder owned by another user is refused (snapshots off).
+        local_snapshot_max_gb: the most the snapshots of one node may take (up to three copies per rank: two complete, one being written); None: half the
             free space of ``local_snapshot_dir``. Checked before launch.
         recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
             replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
@@ -83,7 +84,7 @@ class FaultToleranceArgs:
     replica: str = REPLICA_3D
     fsdp_shard_size: Optional[int] = None
     local_snapshot_interval: int = 1
-    local_snapshot_dir: str = "/dev/shm/nanotron-recover"
+    local_snapshot_dir: str = field(default_factory=lambda: f"/dev/shm/nanotron-recover-{os.getuid()}")
     local_snapshot_max_gb: Optional[float] = None
     recycle: bool = False
 

@@ -1,7 +1,7 @@
 """Several Open MPI "nodes" on one machine: one real ``prted`` daemon per node, as over ssh (a test bed).
 
 A hostfile names nodes ``n1 n2 ...``; ``--prtemca plm_ssh_agent`` points at a script that stands in for ssh: it
-drops ssh's options and the host name and runs the daemon's command here (FACTS.md, "Many nodes"). Every node
+drops ssh's options and the host name and runs the daemon's command here (README, "Running on many nodes"). Every node
 then has its own ``prted`` with its ranks under it, exactly as on a cluster, so a node can be lost for real:
 :func:`kill_node` SIGKILLs one node's daemon and every process under it. The agent records the pid it runs as
 in ``<folder>/<node>.pid`` (it ``exec``s, so that pid is the root of the node's process tree).

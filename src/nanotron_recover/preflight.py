@@ -84,8 +84,8 @@ def _check_precision(config: RecoverConfig) -> None:
 
 
 def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_dir: Path) -> None:
-    """Before launch: two snapshots per rank of this node must fit ``local_snapshot_max_gb`` and the free space
-    of ``local_snapshot_dir`` (this run's own older snapshots there count as free: they are replaced)."""
+    """Before launch: three snapshots per rank (two complete, one being written) of this node must fit
+    ``local_snapshot_max_gb`` and the free space of ``local_snapshot_dir`` (this run's own older snapshots there count as free: they are replaced)."""
     ft = config.fault_tolerance
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return
@@ -103,11 +103,13 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     ours = None if run is None else snapshot_folder(config, run)
     reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours and ours.is_dir() else 0
     free = shutil.disk_usage(existing).free + reusable
-    need = 2 * ranks_per_node * snapshot_bytes_per_rank(config)
+    # at most 3 files a rank: two complete snapshots, and the next one being written (an old one goes only after
+    # the new one is complete)
+    need = 3 * ranks_per_node * snapshot_bytes_per_rank(config)
     limit = free / 2 if ft.local_snapshot_max_gb is None else min(free, ft.local_snapshot_max_gb * 2**30)
     if need > limit:
         raise ConfigError(
-            f"fault_tolerance.local_snapshot_*: two snapshots for each of {ranks_per_node} rank(s) per node need "
+            f"fault_tolerance.local_snapshot_*: three snapshots for each of {ranks_per_node} rank(s) per node need "
             f"{need / 2**30:.2f} GiB, more than {limit / 2**30:.2f} GiB (local_snapshot_max_gb "
             f"{ft.local_snapshot_max_gb}, {free / 2**30:.2f} GiB free in {existing}): raise local_snapshot_max_gb, "
             "point local_snapshot_dir at a larger node-local folder, or set local_snapshot_interval: 0"

@@ -13,12 +13,13 @@ from nanotron_recover.ft.hang_policy import (
     HANG_FLOOR_S,
     HANG_STEP_FACTOR,
     METRICS_IO,
+    REPLICA_BUILD,
     WAITING,
     HangPolicy,
     MainThreadProgress,
     peers_of,
 )
-from nanotron_recover.ft.layout import ReplicaLayout
+from nanotron_recover.ft.layout import ReplicaAssignment, ReplicaLayout
 
 
 @given(st.integers(1, 6), st.integers(1, 6))
@@ -59,6 +60,28 @@ def test_checkpoint_saves_get_the_io_allowance_and_waits_a_longer_limit() -> Non
     assert policy.busy_limit_s("forward") == 10
     assert policy.busy_limit_s("checkpoint") == 300
     assert policy.stall_limit_s == 310
+
+
+def test_a_snapshot_and_a_recycled_replica_build_get_the_io_allowance() -> None:
+    """A snapshot write waits for the previous background write; a recycled replica's rendezvous and model build is
+    the start-up's work: neither is held to the step timeout."""
+    policy = HangPolicy(fixed_timeout_s=10, io_allowance_s=300)
+    assert policy.busy_limit_s("snapshot") == 300 and policy.busy_limit_s(REPLICA_BUILD) == 300
+    assert policy.busy_limit_s("replica-formation") == 10  # the formation's cheap bookkeeping is not I/O
+
+
+def test_members_of_a_recycled_replica_are_peers_on_the_current_assignment() -> None:
+    """3 replicas x 2: replicas 1 and 2 broke; ranks 4 and 3 form replica 3. On the grid they were never peers;
+    on the assignment they are mates, and each is a coordinate peer of replica 0's rank of its coordinate."""
+    layout = ReplicaLayout(world_size=6, ranks_per_replica=2)
+    assignment = ReplicaAssignment(layout)
+    assignment.to_pool([2, 3, 4, 5])
+    assignment.assign(3, [4, 3])
+    assert 3 not in peers_of(layout, 4)
+    assert peers_of(assignment, 4) == [0, 3] and peers_of(assignment, 3) == [1, 4]
+    assert peers_of(assignment, 2) == []  # in the pool: no replica, no peers there
+    for rank in (0, 1, 3, 4):  # symmetric, as on the grid
+        assert all(rank in peers_of(assignment, p) for p in peers_of(assignment, rank))
 
 
 def test_progress_records_busy_waiting_and_returns_to_the_busy_phase() -> None:

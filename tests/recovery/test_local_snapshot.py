@@ -1,5 +1,6 @@
-"""Node-local snapshots: the file format, the two slots, refusal of another run's files, the agreement on a step,
-and a writer SIGKILLed mid-write (a real process) leaving the previous snapshot usable."""
+"""Node-local snapshots: the file format (no pickle), the two newest files kept, refusal of another run's files, a
+private store, the agreement on one (history, step), the spread transfer plan, a full store, and a writer SIGKILLed
+mid-write (a real process) leaving the previous snapshot usable."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from nanotron_recover.config import ConfigError, config_from_dict
 from nanotron_recover.preflight import check_local_snapshot_budget
 from nanotron_recover.recovery.local_snapshot import (
     SnapshotWriter,
-    choose_step,
+    choose_snapshot,
     ensure_run_id,
     parse,
     run_id,
@@ -30,6 +31,7 @@ from nanotron_recover.recovery.local_snapshot import (
 from tests.conftest import make_tiny_config
 
 RUN, CONFIG = "run-a", "cfg-a"
+HISTORY = "0000000000aa0000"
 
 
 def state(seed: float) -> list[torch.Tensor]:
@@ -43,20 +45,21 @@ def state(seed: float) -> list[torch.Tensor]:
 
 
 def test_a_snapshot_round_trips_exactly(tmp_path):
-    writer = SnapshotWriter(tmp_path, "r0-c1", run_id=RUN, config_hash=CONFIG, coord=1)
+    writer = SnapshotWriter(tmp_path, "r0-c1", run_id=RUN, config_hash=CONFIG, coord=1, history=HISTORY)
     written = state(2.5)
-    writer.write(7, written, {"lr_scheduler": {"last_epoch": 7}}, epoch=3)
+    extras = {"lr_scheduler": {"last_epoch": 7, "_last_lr": [1e-3 / 3]}, "param_groups": [{"betas": (0.9, 0.95)}]}
+    writer.write(7, written, extras, epoch=3)
     writer.close()
     (found,) = scan(tmp_path, RUN, CONFIG)
-    assert (found.step, found.coord, found.header["epoch"]) == (7, 1, 3)
-    header, extras, payload = parse(found.path.read_bytes())
-    assert extras == {"lr_scheduler": {"last_epoch": 7}}
+    assert (found.step, found.coord, found.history, found.header["epoch"]) == (7, 1, HISTORY, 3)
+    header, got, payload = parse(found.path.read_bytes())
+    assert got == extras and isinstance(got["param_groups"][0]["betas"], tuple)  # types round-trip exactly
     target = state(0.0)
     unpack_into(target, header, payload)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(written, target))
 
 
-def test_two_slots_keep_the_newest_snapshot_and_the_one_before(tmp_path):
+def test_two_files_keep_the_newest_snapshot_and_the_one_before(tmp_path):
     writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0)
     for step in (1, 2, 3):
         writer.write(step, state(float(step)), {})
@@ -118,33 +121,55 @@ def test_ranks_creating_the_id_at_once_all_get_the_same(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- the agreement
-def test_the_newest_step_every_coordinate_holds_is_chosen():
-    offers = [[(0, 5), (0, 6)], [(1, 5)], [(0, 6), (1, 4)]]  # coordinate 1 has no copy of step 6
-    assert choose_step(offers, coords=[0, 1], newer_than=None) == 5
-    assert choose_step(offers, coords=[0, 1], newer_than=5) is None  # the disk checkpoint is as new
-    assert choose_step(offers, coords=[0, 1], newer_than=3) == 5
-    assert choose_step([[], []], coords=[0], newer_than=None) is None
+A, B = "00000000000a", "00000000000b"  # two histories (launches); B is the later one
 
 
-def test_ranks_without_their_coordinate_receive_it_from_the_lowest_holder():
-    offers = [[(0, 5)], [(1, 5)], [], [(0, 5), (1, 5)]]
-    coord_of = [0, 1, 0, 1]
-    assert transfer_plan(offers, coord_of, step=5) == {2: 0}
+def test_the_newest_step_one_history_holds_for_every_coordinate_is_chosen():
+    offers = [[(0, A, 5), (0, A, 6)], [(1, A, 5)], [(0, A, 6), (1, A, 4)]]  # coordinate 1 has no copy of step 6
+    assert choose_snapshot(offers, coords=[0, 1], newer_than=None) == (A, 5)
+    assert choose_snapshot(offers, coords=[0, 1], newer_than=5) is None  # the disk checkpoint is as new
+    assert choose_snapshot(offers, coords=[0, 1], newer_than=3) == (A, 5)
+    assert choose_snapshot([[], []], coords=[0], newer_than=None) is None
 
 
-@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 8)), max_size=6), min_size=1, max_size=8),
+def test_coordinates_of_one_step_in_two_histories_are_not_mixed():
+    """Step 6 has coordinate 0 only in history A and coordinate 1 only in B: not a snapshot (two trajectories)."""
+    offers = [[(0, A, 6), (0, A, 5)], [(1, B, 6), (1, A, 5)]]
+    assert choose_snapshot(offers, coords=[0, 1], newer_than=None) == (A, 5)
+
+
+def test_a_step_held_whole_in_two_histories_goes_to_the_later_launch():
+    offers = [[(0, A, 6), (1, A, 6)], [(0, B, 6), (1, B, 6)], [(0, B, 6)]]
+    assert choose_snapshot(offers, coords=[0, 1], newer_than=None) == (B, 6)
+    assert transfer_plan(offers, [0, 1, 1], (B, 6)) == {0: 1, 2: 1}  # rank 0 holds only history A's files
+
+
+def test_receivers_are_spread_over_the_holders():
+    offers = [[(0, A, 5)], [(1, A, 5)], [], [(0, A, 5), (1, A, 5)], [], [], []]
+    coord_of = [0, 1, 0, 1, 0, 0, 0]
+    plan = transfer_plan(offers, coord_of, (A, 5))
+    assert plan == {2: 0, 4: 3, 5: 0, 6: 3}  # coordinate 0's holders 0 and 3 take turns
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([A, B]), st.integers(1, 8)), max_size=6),
+                min_size=1, max_size=8),
        st.integers(1, 4))
-def test_a_chosen_step_can_always_be_served_to_every_rank(offers, rpr):
+def test_a_chosen_snapshot_can_always_be_served_to_every_rank_from_one_history(offers, rpr):
     coord_of = [rank % rpr for rank in range(len(offers))]
-    step = choose_step(offers, coords=range(rpr), newer_than=None)
-    if step is None:
+    chosen = choose_snapshot(offers, coords=range(rpr), newer_than=None)
+    if chosen is None:
         return
-    plan = transfer_plan(offers, coord_of, step)
+    history, step = chosen
+    plan = transfer_plan(offers, coord_of, chosen)
     for rank, coord in enumerate(coord_of):
         holder = plan.get(rank, rank)
-        assert (coord, step) in offers[holder]
-    later = {s for pairs in offers for _, s in pairs if s > step}
-    assert all(not set(range(rpr)) <= {c for pairs in offers for c, s in pairs if s == t} for t in later)
+        assert (coord, history, step) in offers[holder]  # every rank loads the same (history, step)
+    served = [sum(1 for src in plan.values() if src == h) for h in set(plan.values())]
+    holders = {c: sum(1 for pairs in offers if (c, history, step) in pairs) for c in range(rpr)}
+    wanting = {c: sum(1 for r in plan if coord_of[r] == c) for c in range(rpr)}
+    assert max(served, default=0) <= max(-(-wanting[c] // holders[c]) for c in range(rpr)) * rpr
+    for t, h in {(s, h) for pairs in offers for _, h, s in pairs if (s, h) > (step, history)}:
+        assert not set(range(rpr)) <= {c for pairs in offers for c, hh, s in pairs if (s, hh) == (t, h)}
 
 
 # ------------------------------------------------------------------------------------------- a kill mid-write

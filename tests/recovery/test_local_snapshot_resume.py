@@ -67,7 +67,7 @@ def test_a_killed_job_continues_from_its_last_committed_step(kind, tmp_path):
     config_path = write_config(config(kind, tmp_path), run_dir / "config.yaml")
     last = launch_and_kill_the_job(config_path, run_dir, KILL_AFTER)
     folder = snapshot_folder(config_from_dict(config(kind, tmp_path)), run_id(run_dir))
-    assert sorted(p.name for p in folder.glob("*.slot*")), "every rank left its snapshots on the node"
+    assert sorted(p.name for p in folder.glob("*.snap")), "every rank left its snapshots on the node"
 
     relaunched = time.time()
     result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
@@ -103,10 +103,10 @@ def test_a_new_run_in_a_remade_run_dir_does_not_take_the_old_runs_snapshots(tmp_
     raw = config("3d", tmp_path)
     launch_and_kill_the_job(write_config(raw, run_dir / "config.yaml"), run_dir, 3)
     old = snapshot_folder(config_from_dict(raw), run_id(run_dir))
-    assert list(old.glob("*.slot*"))
+    assert list(old.glob("*.snap"))
     shutil.rmtree(run_dir)
     result = run_training(write_config(raw, run_dir / "config.yaml"), run_dir, timeout_s=TIMEOUT_S,
                           extra_args=["--synthetic-data", "--train-steps", "2"])
     assert not RESUMED.search(result.output), result.output[-3000:]
     assert [s["step"] for s in result.steps] == [1, 2]
-    assert list(old.glob("*.slot*")), "another run's snapshots are left alone"
+    assert list(old.glob("*.snap")), "another run's snapshots are left alone"

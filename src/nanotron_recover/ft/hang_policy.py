@@ -124,5 +124,6 @@ def peers_of(layout: "ReplicaLayout | ReplicaAssignment", rank: int) -> list[int
     if replica is None:
         return []
     mates = layout.ranks_of(replica)
-    coords = [layout.world_rank(r, local) for r in layout.replica_ids]
+    coords = [c for c, r in ((layout.world_rank(r, local), r) for r in layout.replica_ids)
+              if layout.replica_of(c) == r]  # a broken replica's old ranks are not its coordinate any more
     return sorted(set(mates + coords) - {rank})

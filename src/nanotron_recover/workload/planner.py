@@ -2,7 +2,7 @@
 
 Pure and deterministic: every rank calls these with the agreed live set and gets the same answer, so planning
 needs no communication. Indices are *step-local* global microbatch indices in ``[0, M)``; step ``s`` trains on
-samples ``s*M + i`` whoever computes index ``i`` (see DESIGN.md).
+samples ``s*M + i`` whoever computes index ``i`` (README, "How it works").
 
 Decisions (documented here because callers rely on them):
 

@@ -1,0 +1,378 @@
+"""A randomized fault campaign: N real jobs, each with a fault drawn from a seed, and invariants checked after each.
+
+Every trial runs a real job through the user's launcher (``nanotron-recover train``) under ``mpirun --with-ft
+ulfm``, sends its faults for real (SIGKILL / SIGSTOP of ranks or of mpirun by pid, from outside; or a schedule
+the ranks fire themselves at a named phase, ``fault_tolerance.inject``), relaunches while the launcher says
+"restart" (exit 3), and then checks:
+
+* the job ended by itself: every launch within ``--launch-bound-s`` (no stall), at most ``--relaunches``;
+* the outcome is done, directly or after relaunches that each followed exit 3;
+* every committed step has exactly M microbatches, and every logged loss (replays after a relaunch included)
+  equals the failure-free run of the same shape within the tolerance (1e-5 in fp32, whose summation-order floor
+  is ~1e-7; in bf16 3x the floor measured here, a failure-free run with another split of the same M);
+* the final weights equal the failure-free run's within the same tolerance;
+* no rank process and no node-local snapshot file of the run is left afterwards;
+* no rank outside a frozen or hung replica was killed by the hang monitor (false kills are counted apart, with
+  the load average at the time: they lose a replica, never data).
+
+Prints one line per trial (its seed first), a tally of kind x outcome, and the campaign's seed; a failing trial
+reruns alone with ``--seed <its seed> --trials 1``. The last line is ``campaign_trials=N failures=F stalls=S
+false_kills=K seed=S``. Minimal: ``python benchmarks/fault_campaign.py --trials 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
+from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
+from nanotron_recover.metrics import read_metrics_jsonl  # noqa: E402
+from nanotron_recover.runs import final_checkpoint, max_relative_param_diff, write_config  # noqa: E402
+from nanotron_recover.watchdog import MPI_DAEMONS  # noqa: E402
+
+FP32_TOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ processes
+def _stat(pid: int) -> tuple[int, str, str]:
+    """(parent pid, name, state) of a process."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    name = text[text.index("(") + 1:text.rindex(")")]
+    state, ppid = text[text.rindex(")") + 2:].split()[:2]
+    return int(ppid), name, state
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """``{world rank: pid}`` of the live rank processes of this run (mpirun's own command line names the run dir
+    too: it does not count; nor do zombies or the start-up watchdog, a fork without an MPI rank of its own)."""
+    out: dict[int, int] = {}
+    needle = str(run_dir).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            ppid, name, state = _stat(pid)
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"nanotron_recover.train" not in cmdline or needle not in cmdline or state == "Z" or name in MPI_DAEMONS:
+            continue
+        rank = next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is None:
+            continue
+        if rank in out:  # the rank and its start-up watchdog (a fork): the rank is the watchdog's parent
+            ppid_other = _stat(out[rank])[0]
+            if ppid_other == pid:
+                out[rank] = pid
+            continue
+        out[rank] = pid
+    return out
+
+
+def mpirun_pid(launcher: subprocess.Popen) -> int | None:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid, name, _ = _stat(int(entry))
+            except (OSError, ValueError):
+                continue
+            if ppid == launcher.pid and name in MPI_DAEMONS:
+                return int(entry)
+    return None
+
+
+def _signal(pid: int | None, sig: str) -> None:
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r), default=0)
+
+
+# ------------------------------------------------------------------------------------------------ one launch
+@dataclass
+class Launch:
+    rc: int | None  # None: stalled (killed at the bound)
+    wall_s: float
+    sent: list[str] = field(default_factory=list)
+
+
+def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault], bound_s: float) -> Launch:
+    """One launch through the user's launcher; ``faults`` are sent from outside at their moments."""
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data"]
+    t0 = time.monotonic()
+    with open(run_dir / "launcher.log", "ab") as log:
+        launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pending = sorted(faults, key=lambda f: (f.after_step, f.delay_s))
+    sent: list[str] = []
+    due: float | None = None
+    stopped_mpirun: int | None = None
+    while launcher.poll() is None:
+        now = time.monotonic()
+        if now - t0 > bound_s:
+            _kill_all(launcher, run_dir)
+            return Launch(None, now - t0, sent)
+        if pending:
+            fault = pending[0]
+            ready = bool(rank_pids(run_dir)) if fault.after_step == 0 else _last_step(run_dir) >= fault.after_step
+            if ready and due is None:
+                due = now + fault.delay_s
+            if due is not None and now >= due:
+                pending.pop(0)
+                due = None
+                if fault.ranks:
+                    pids = rank_pids(run_dir)
+                    for rank in fault.ranks:
+                        _signal(pids.get(rank), fault.signal)
+                else:
+                    target = mpirun_pid(launcher)
+                    _signal(target, fault.signal)
+                    if fault.signal == "stop":
+                        stopped_mpirun = target
+                sent.append(f"{fault.describe()} at {now - t0:.1f} s")
+        if stopped_mpirun is not None and not rank_pids(run_dir):
+            # a frozen mpirun never returns: once its ranks are gone (they end by themselves), end it as an
+            # operator would, and the launcher judges what the run wrote
+            _signal(stopped_mpirun, "kill")
+            stopped_mpirun = None
+        time.sleep(0.05)
+    return Launch(launcher.returncode, time.monotonic() - t0, sent)
+
+
+def _kill_all(launcher: subprocess.Popen, run_dir: Path) -> None:
+    for pid in rank_pids(run_dir).values():
+        _signal(pid, "kill")
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launcher.wait()
+
+
+# ------------------------------------------------------------------------------------------------ references
+@dataclass
+class Reference:
+    losses: dict[int, float]
+    checkpoint: Path
+    tol: float
+
+
+def reference_of(shape: Shape, out: Path, bound_s: float) -> Reference:
+    """The failure-free run of ``shape`` (cached under ``out``); bf16 also measures its floor."""
+    run_dir = out / "references" / shape.name
+    if not (run_dir / "done").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        path = write_config(shape.config([], str(out / "shm" / f"ref-{shape.name}")), run_dir / "config.yaml")
+        launch = run_launch(path, run_dir, [], bound_s)
+        if launch.rc != EXIT_DONE:
+            raise RuntimeError(f"the failure-free {shape.name} run failed (exit {launch.rc}): {run_dir}")
+        (run_dir / "done").write_text("")
+    losses = {int(r["step"]): float(r["loss"]) for r in read_metrics_jsonl(run_dir) if "event" not in r}
+    tol = FP32_TOL
+    if shape.dtype != "float32":
+        tol = max(FP32_TOL, 3 * _bf16_floor(shape, out, losses, bound_s))
+    return Reference(losses, final_checkpoint(run_dir), tol)
+
+
+def _bf16_floor(shape: Shape, out: Path, losses: dict[int, float], bound_s: float) -> float:
+    """Failure-free, the same M on half the replicas (twice the accumulation): the summation-order floor."""
+    run_dir = out / "references" / f"{shape.name}-floor"
+    if not (run_dir / "floor.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        config = shape.config([], str(out / "shm" / f"floor-{shape.name}"))
+        config["parallelism"]["dp"] = shape.dp // 2
+        config["tokens"]["batch_accumulation_per_replica"] *= 2
+        launch = run_launch(write_config(config, run_dir / "config.yaml"), run_dir, [], bound_s)
+        if launch.rc != EXIT_DONE:
+            raise RuntimeError(f"the {shape.name} floor run failed (exit {launch.rc}): {run_dir}")
+        other = {int(r["step"]): float(r["loss"]) for r in read_metrics_jsonl(run_dir) if "event" not in r}
+        (run_dir / "floor.json").write_text(json.dumps(max(abs(other[s] - losses[s]) for s in losses)))
+    return float(json.loads((run_dir / "floor.json").read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ one trial
+@dataclass
+class TrialResult:
+    trial: Trial
+    outcome: str  # "done" | "restart->done" | "FAIL" | "STALL"
+    problems: list[str]
+    launches: int
+    wall_s: float
+    false_kills: list[str]
+    max_dloss: float
+
+    def line(self) -> str:
+        verdict = "ok" if not self.problems else "FAILED: " + "; ".join(self.problems)
+        fk = f" false kills: {self.false_kills}" if self.false_kills else ""
+        return (f"seed {self.trial.seed:>6} {self.trial.shape.name:<8} {self.trial.kind:<19} {self.outcome:<14} "
+                f"launches {self.launches} {self.wall_s:5.1f} s max|dloss| {self.max_dloss:.1e} "
+                f"[{self.trial.describe()}] {verdict}{fk}")
+
+
+def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, relaunches: int) -> TrialResult:
+    shape = trial.shape
+    run_dir = out / "trials" / f"{trial.seed}-{shape.name}-{trial.kind}"
+    shm = Path("/dev/shm") / f"nanotron-recover-campaign-{os.getuid()}" / f"{trial.seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    path = write_config(shape.config(trial.inject, str(shm)), run_dir / "config.yaml")
+    problems: list[str] = []
+    launches: list[Launch] = []
+    outcome = "FAIL"
+    for attempt in range(1 + relaunches):
+        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s)
+        launches.append(launch)
+        if launch.rc is None:
+            outcome = "STALL"
+            problems.append(f"launch {attempt + 1} did not end within {bound_s:g} s")
+            break
+        if launch.rc == EXIT_DONE:
+            outcome = "done" if attempt == 0 else "restart->done"
+            break
+        if launch.rc != EXIT_RESTART:
+            problems.append(f"launch {attempt + 1} exited {launch.rc} (neither done nor restart)")
+            break
+    else:
+        problems.append(f"still not done after {relaunches} relaunches")
+    max_dloss = _check_records(run_dir, shape, reference, problems)
+    if outcome in ("done", "restart->done"):
+        try:
+            rel = max_relative_param_diff(final_checkpoint(run_dir), reference.checkpoint)
+            if rel > reference.tol:
+                problems.append(f"final weights differ: rel. {rel:.2e} > {reference.tol:.1e}")
+        except (FileNotFoundError, OSError, ValueError) as e:
+            problems.append(f"final weights: {e}")
+    _check_left_behind(run_dir, shm, problems)
+    false_kills = _false_kills(run_dir, trial)
+    if outcome != "STALL" and problems:
+        outcome = "FAIL"
+    return TrialResult(trial, outcome, problems, len(launches), sum(l.wall_s for l in launches), false_kills,
+                       max_dloss)
+
+
+def _check_records(run_dir: Path, shape: Shape, reference: Reference, problems: list[str]) -> float:
+    """Every step record (replays included): M microbatches and the failure-free loss; every step present."""
+    records = [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    worst = 0.0
+    for r in records:
+        step = int(r["step"])
+        if r.get("microbatches") != shape.M:
+            problems.append(f"step {step} committed {r.get('microbatches')} microbatches, not M={shape.M}")
+        diff = abs(float(r["loss"]) - reference.losses[step])
+        worst = max(worst, diff)
+    if worst > reference.tol:
+        problems.append(f"max |dloss| {worst:.2e} > {reference.tol:.1e}")
+    missing = sorted(set(range(1, STEPS + 1)) - {int(r["step"]) for r in records})
+    if missing:
+        problems.append(f"steps never logged: {missing}")
+    return worst
+
+
+def _check_left_behind(run_dir: Path, shm: Path, problems: list[str]) -> None:
+    deadline = time.monotonic() + 30
+    while rank_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = rank_pids(run_dir)
+    if left:
+        problems.append(f"rank processes left 30 s after the end: {sorted(left)}")
+        for pid in left.values():
+            _signal(pid, "kill")
+    files = [p for p in shm.rglob("*") if p.is_file()] if shm.exists() else []
+    if files:
+        problems.append(f"{len(files)} snapshot file(s) left in {shm}")
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def _false_kills(run_dir: Path, trial: Trial) -> list[str]:
+    """Hang kills of ranks outside the replicas this trial froze or hung (with the load average when the trial
+    ended). A hung rank's replica-mate that waits on it may kill itself as stuck: the replica is the unit of
+    failure, so that costs nothing the hang did not cost already."""
+    frozen = trial.frozen_ranks()
+    if frozen is None:
+        return []
+    replicas = {r // trial.shape.rpr for r in frozen}
+    out = []
+    for record in read_metrics_jsonl(run_dir):
+        if record.get("event") == "hang_detected" and record.get("reason") in ("silent", "stuck") \
+                and record.get("rank") is not None and record["rank"] // trial.shape.rpr not in replicas:
+            out.append(f"rank {record.get('rank')} {record['reason']} at step {record.get('step', record.get('last_step'))} "
+                       f"(load {os.getloadavg()[0]:.1f})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the campaign
+def tally(results: Sequence[TrialResult]) -> str:
+    counts = Counter((r.trial.kind, r.outcome) for r in results)
+    outcomes = sorted({r.outcome for r in results})
+    lines = ["| kind | " + " | ".join(outcomes) + " |", "|---|" + "---|" * len(outcomes)]
+    for kind in KINDS:
+        if any(k == kind for k, _ in counts):
+            lines.append(f"| {kind} | " + " | ".join(str(counts.get((kind, o), 0)) for o in outcomes) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=None, help="the first trial's seed (default: from the clock)")
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--out", default="runs/bench/fault_campaign")
+    ap.add_argument("--launch-bound-s", type=float, default=240.0, help="a launch running longer is a stall")
+    ap.add_argument("--relaunches", type=int, default=2)
+    args = ap.parse_args(argv)
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    shapes = tuple(SHAPES_BY_NAME[name] for name in args.shapes.split(","))
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"fault campaign: {args.trials} trials from seed {seed}; launch bound {args.launch_bound_s:g} s; "
+          f"out {out}", flush=True)
+    results = []
+    references: dict[str, Reference] = {}
+    for i in range(args.trials):
+        trial = draw_trial(seed + i, shapes, kinds)
+        if trial.shape.name not in references:
+            references[trial.shape.name] = reference_of(trial.shape, out, args.launch_bound_s)
+        result = run_trial(trial, out, references[trial.shape.name], bound_s=args.launch_bound_s,
+                           relaunches=args.relaunches)
+        results.append(result)
+        print(result.line(), flush=True)
+    failures = sum(1 for r in results if r.outcome == "FAIL")
+    stalls = sum(1 for r in results if r.outcome == "STALL")
+    false_kills = sum(len(r.false_kills) for r in results)
+    print(tally(results))
+    print(f"campaign_trials={len(results)} failures={failures} stalls={stalls} false_kills={false_kills} seed={seed}")
+    return 1 if failures or stalls else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The pure side of the randomized fault campaign: shapes, fault kinds, and a trial drawn from a seed.
+
+A trial is fully determined by its seed: the shape, the fault kind and every parameter of the fault (which rank,
+which step, which phase, how long after the step was logged). So any trial reruns alone from its seed
+(``benchmarks/fault_campaign.py --seed S --trials 1``). Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.lib.config import make_config, n_processes, ranks_per_replica
+
+STEPS = 8
+ACCUMULATION = 2
+CHECKPOINT_INTERVAL = 4  # a checkpoint mid-run (the checkpoint phase) and one at the end (the final weights)
+
+# Timeouts a trial runs with: short, so that a frozen rank costs seconds, not minutes; far above a step here.
+FAULT_TOLERANCE: dict[str, Any] = {
+    "enabled": True, "reduce_bucket_mb": 0.01, "hang_timeout_s": 12, "collective_timeout_s": 40,
+    "startup_timeout_s": 90, "finalize_timeout_s": 20, "local_snapshot_interval": 1,
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One job layout of the campaign (each at most 6 processes: 2 cores)."""
+
+    name: str
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    spares: int = 0
+    recycle: bool = False
+    fsdp: int | None = None  # HSDP: the shard group size
+    dtype: str = "float32"
+
+    def config(self, inject: list[dict], snapshot_dir: str) -> dict:
+        ft = {**copy.deepcopy(FAULT_TOLERANCE), "spare_replicas": self.spares, "recycle": self.recycle,
+              "inject": inject, "local_snapshot_dir": snapshot_dir}
+        if self.fsdp is not None:
+            ft.update(replica="fsdp", fsdp_shard_size=self.fsdp)
+        config = make_config(dp=self.dp, tp=self.tp, pp=self.pp, accumulation=ACCUMULATION, steps=STEPS,
+                             fault_tolerance=ft, checkpoint_interval=CHECKPOINT_INTERVAL)
+        config["model"]["dtype"] = self.dtype
+        return config
+
+    @property
+    def M(self) -> int:
+        return self.dp * ACCUMULATION
+
+    @property
+    def rpr(self) -> int:
+        return ranks_per_replica(self.config([], "/dev/null"))
+
+    @property
+    def world_size(self) -> int:
+        return n_processes(self.config([], "/dev/null"))
+
+    @property
+    def replicas(self) -> int:
+        return self.dp + self.spares
+
+
+SHAPES = (
+    Shape("3d-tp2", dp=2, tp=2),
+    Shape("3d-pp2", dp=2, pp=2),
+    Shape("spare", dp=2, spares=1),
+    Shape("recycle", dp=3, tp=2, recycle=True),
+    Shape("hsdp", dp=2, fsdp=2),
+    Shape("bf16", dp=2, tp=2, dtype="bfloat16"),
+)
+SHAPES_BY_NAME = {s.name: s for s in SHAPES}
+
+# Fault kinds. "ext-*" are signals sent from outside, by pid, at a random moment; the others are schedules in the
+# config (``fault_tolerance.inject``), fired by the rank itself at a named phase.
+KINDS = ("ext-kill", "ext-stop", "startup-kill", "startup-stop", "pair-same-replica", "pair-two-replicas",
+         "second-in-repair", "phase", "hang", "launcher-kill", "launcher-stop")
+PHASES = ("dataload", "forward", "backward", "reduce", "optimizer", "checkpoint")
+
+
+@dataclass
+class ExternalFault:
+    """A signal sent from outside: to world rank ``ranks`` (or to mpirun when ``ranks`` is empty), ``delay_s``
+    after step ``after_step`` was logged (0: during start-up, ``delay_s`` after the rank processes appeared)."""
+
+    signal: str  # "kill" | "stop"
+    ranks: list[int]
+    after_step: int
+    delay_s: float
+
+    def describe(self) -> str:
+        whom = f"ranks {self.ranks}" if self.ranks else "mpirun"
+        when = f"step {self.after_step}" if self.after_step else "start-up"
+        return f"SIG{self.signal.upper()} {whom} {self.delay_s:.2f} s after {when}"
+
+
+@dataclass
+class Trial:
+    seed: int
+    shape: Shape
+    kind: str
+    inject: list[dict] = field(default_factory=list)
+    external: list[ExternalFault] = field(default_factory=list)
+
+    def frozen_ranks(self) -> set[int] | None:
+        """World ranks this trial freezes or hangs (a hang kill of any other rank is a false kill); None when one
+        is a recycled replica's rank, whose world rank is known only at run time."""
+        ranks = {r for f in self.external if f.signal == "stop" for r in f.ranks}
+        for spec in self.inject:
+            if spec.get("signal") in ("stop", "hang"):
+                if spec["replica"] >= self.shape.replicas:
+                    return None
+                ranks.add(spec["replica"] * self.shape.rpr + spec.get("rank", 0))
+        return ranks
+
+    def describe(self) -> str:
+        parts = [f"{s.get('signal', 'kill')} r{s['replica']}.{s.get('rank', 0)} step {s['step']} {s['phase']}"
+                 for s in self.inject] + [f.describe() for f in self.external]
+        return "; ".join(parts)
+
+
+def _fits(kind: str, shape: Shape) -> bool:
+    """Kinds a shape can take: two ranks of one replica need two; a second fault in another replica's repair needs
+    a third replica (a schedule that kills every replica is refused by the config check)."""
+    if kind == "pair-same-replica":
+        return shape.rpr > 1
+    if kind == "second-in-repair":
+        return shape.replicas > 2
+    return True
+
+
+def _rank_in(rng: random.Random, shape: Shape, replica: int) -> int:
+    return replica * shape.rpr + rng.randrange(shape.rpr)
+
+
+def draw_trial(seed: int, shapes: tuple[Shape, ...] = SHAPES, kinds: tuple[str, ...] = KINDS) -> Trial:
+    """The trial of ``seed``: a shape, a kind, and the fault's parameters, all from one ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    shape = rng.choice(shapes)
+    kind = rng.choice([k for k in kinds if _fits(k, shape)])
+    trial = Trial(seed, shape, kind)
+    step = rng.randrange(2, STEPS - 1)  # a fault after the first step and before the last
+    replica = rng.randrange(shape.dp)  # a computing replica
+    local = rng.randrange(shape.rpr)
+    if kind in ("ext-kill", "ext-stop"):
+        trial.external.append(ExternalFault(kind[4:], [_rank_in(rng, shape, rng.randrange(shape.replicas))],
+                                            step - 1, rng.uniform(0.0, 0.1)))
+    elif kind in ("startup-kill", "startup-stop"):
+        trial.external.append(ExternalFault(kind[8:], [rng.randrange(shape.world_size)], 0, rng.uniform(0.0, 4.0)))
+    elif kind == "pair-same-replica":
+        trial.external.append(ExternalFault("kill", rng.sample(range(replica * shape.rpr, (replica + 1) * shape.rpr), 2),
+                                            step - 1, rng.uniform(0.0, 0.1)))
+    elif kind == "pair-two-replicas":
+        first, second = rng.sample(range(shape.replicas), 2)
+        trial.external.append(ExternalFault("kill", [_rank_in(rng, shape, first), _rank_in(rng, shape, second)],
+                                            step - 1, rng.uniform(0.0, 0.1)))
+    elif kind == "second-in-repair":
+        other = rng.choice([r for r in range(shape.replicas) if r != replica])
+        trial.inject += [{"step": step, "replica": replica, "rank": local, "phase": rng.choice(("backward", "reduce"))},
+                         {"step": step, "replica": other, "rank": rng.randrange(shape.rpr), "phase": "repair"}]
+    elif kind == "phase":
+        trial.inject += _phase_fault(rng, shape, step, replica, local)
+    elif kind == "hang":
+        trial.inject.append({"step": step, "replica": replica, "rank": local, "signal": "hang",
+                             "phase": rng.choice(("forward", "backward", "optimizer"))})
+    elif kind in ("launcher-kill", "launcher-stop"):
+        trial.external.append(ExternalFault(kind[9:], [], step - 1, rng.uniform(0.0, 0.1)))
+    return trial
+
+
+def _phase_fault(rng: random.Random, shape: Shape, step: int, replica: int, local: int) -> list[dict]:
+    """A kill (or a freeze) in a named phase; with a spare or recycling also inside a state transfer (after the
+    fault that starts it), with recycling as a formation begins."""
+    phases = list(PHASES)
+    if shape.spares or shape.recycle:
+        phases.append("transfer")
+    if shape.recycle:
+        phases.append("forming")
+    phase = rng.choice(phases)
+    signal = rng.choice(("kill", "kill", "stop"))
+    if phase == "checkpoint":
+        return [{"step": CHECKPOINT_INTERVAL, "replica": replica, "rank": local, "phase": phase, "signal": signal}]
+    if phase == "transfer":  # replica 1 lost in backward makes a transfer at the step's end: hit a side of it
+        lost = [{"step": step, "replica": 1, "rank": local, "phase": "backward"}]
+        if shape.recycle:  # a second broken replica: the pool holds a replica's worth of ranks, which form one
+            lost.append({"step": step, "replica": 2, "rank": 1 - local, "phase": "backward"})
+        receiver = shape.dp  # the spare's id (dp), or the first recycled replica's (dp + 0 spares)
+        side = rng.choice((0, receiver))  # the donor (the only holder of the committed state) or the receiver
+        return [*lost, {"step": step, "replica": side, "rank": rng.randrange(shape.rpr), "phase": "transfer",
+                        "signal": signal}]
+    if phase == "forming":  # two broken replicas, then a pool rank dies as the formation begins
+        return [{"step": step, "replica": 1, "rank": 0, "phase": "backward"},
+                {"step": step, "replica": 2, "rank": 1, "phase": "backward"},
+                {"step": step, "replica": 1, "rank": 1, "phase": "forming"}]
+    return [{"step": step, "replica": replica, "rank": local, "phase": phase, "signal": signal}]

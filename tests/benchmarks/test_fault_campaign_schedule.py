@@ -1,0 +1,50 @@
+"""The campaign's trials (benchmarks/lib/campaign.py) are a pure function of their seed, and each one is a
+schedule the trainer accepts: the config validation (the same as a user's run) takes every drawn config."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from benchmarks.lib.campaign import KINDS, SHAPES, STEPS, draw_trial
+from nanotron_recover.config import config_from_dict
+
+
+def test_a_trial_is_a_function_of_its_seed() -> None:
+    for seed in range(50):
+        a, b = draw_trial(seed), draw_trial(seed)
+        assert (a.shape, a.kind, a.inject, a.describe()) == (b.shape, b.kind, b.inject, b.describe())
+    assert len({draw_trial(seed).describe() for seed in range(50)}) > 40  # seeds do vary the schedule
+
+
+@pytest.mark.parametrize("seed", range(0, 400, 7))
+def test_every_drawn_config_is_valid_and_every_fault_lands_in_the_run(seed: int) -> None:
+    trial = draw_trial(seed)
+    config = config_from_dict(trial.shape.config(trial.inject, "/dev/shm/unused"))  # raises on a bad schedule
+    assert config.microbatches_per_step == trial.shape.M
+    for spec in trial.inject:
+        assert 1 <= spec["step"] < STEPS
+    for fault in trial.external:
+        assert 0 <= fault.after_step < STEPS - 1
+        assert all(0 <= r < trial.shape.world_size for r in fault.ranks)
+        if trial.kind == "pair-same-replica":
+            assert len({r // trial.shape.rpr for r in fault.ranks}) == 1 and len(set(fault.ranks)) == 2
+        if trial.kind == "pair-two-replicas":
+            assert len({r // trial.shape.rpr for r in fault.ranks}) == 2
+
+
+def test_the_draws_cover_every_kind_and_shape() -> None:
+    trials = [draw_trial(seed) for seed in range(600)]
+    assert set(Counter(t.kind for t in trials)) == set(KINDS)
+    assert {t.shape.name for t in trials} == {s.name for s in SHAPES}
+    assert any(s.get("phase") == "transfer" for t in trials for s in t.inject)
+    assert any(s.get("phase") == "forming" for t in trials for s in t.inject)
+
+
+def test_frozen_ranks_name_what_the_trial_freezes() -> None:
+    stops = [t for t in (draw_trial(seed) for seed in range(300)) if t.kind in ("ext-stop", "hang")]
+    assert stops
+    for t in stops:
+        frozen = t.frozen_ranks()
+        assert frozen is None or len(frozen) == 1

@@ -1,0 +1,35 @@
+"""The CI slice of the randomized fault campaign (benchmarks/fault_campaign.py): a few trials drawn from a seed
+that changes with every run (printed; ``NANOTRON_RECOVER_CAMPAIGN_SEED`` fixes it), so every submission meets
+generated schedules, not only the scripted ones. Each trial is a real job with real signals; the campaign checks
+its invariants (no stall, done or restart-then-done, M per step, the failure-free losses and weights, nothing left
+running or in /dev/shm, no false hang kill) and this test asserts that none failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from benchmarks import fault_campaign
+
+TRIALS = 3
+# every kind but the start-up ones (each costs a start-up timeout, ~110 s here; tests/ft/test_startup_faults.py
+# scripts them)
+KINDS = ",".join(k for k in fault_campaign.KINDS if not k.startswith("startup"))
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TRIALS * 400 + 600)]
+
+
+def test_a_seeded_slice_of_the_fault_campaign(tmp_path, capsys):
+    seed = int(os.environ.get("NANOTRON_RECOVER_CAMPAIGN_SEED", int(time.time()) % 1_000_000))
+    print(f"\nfault campaign slice: seed {seed} (rerun: python benchmarks/fault_campaign.py --seed {seed} "
+          f"--trials {TRIALS} --kinds {KINDS})")
+    code = fault_campaign.main(["--trials", str(TRIALS), "--seed", str(seed), "--out", str(tmp_path), "--kinds", KINDS])
+    out = capsys.readouterr().out
+    print(out)
+    last = out.strip().splitlines()[-1]
+    m = re.fullmatch(r"campaign_trials=(\d+) failures=(\d+) stalls=(\d+) false_kills=(\d+) seed=(\d+)", last)
+    assert m and int(m[1]) == TRIALS and int(m[5]) == seed, last
+    assert code == 0 and m[2] == "0" and m[3] == "0", out

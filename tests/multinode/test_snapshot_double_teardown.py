@@ -1,0 +1,136 @@
+"""Two quick tear-downs leave two different files for one (coordinate, step); the next launch loads one of them on
+every rank (issue #23, item 3).
+
+The fake-node bed, 2 nodes x 2 slots, 2 replicas x TP2 (one replica a node):
+
+1. launch 1 (history H1) loses node 2 after step 4: the job ends; both nodes hold H1's newest snapshots.
+2. Node 1's snapshots are gone (as if the node were replaced); launch 2 runs on node 1 alone (``--replicas 1``, M
+   kept: another summation order, so other bytes), from scratch, and its node is lost as soon as it holds, whole,
+   a step k that node 2 holds whole from launch 1. Both nodes' files newer than k are dropped (as if the losses
+   hit those writes).
+3. Launch 3 on both nodes finds step k whole twice: H1 on node 2, H2 on node 1. Every rank must load the same
+   one (the later launch's), so both replicas of each coordinate hold the same state: the payload CRC each rank
+   prints at its resume is the same for the two replicas of a coordinate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from nanotron_recover.config import config_from_dict
+from nanotron_recover.fake_nodes import kill_node, write_bed
+from nanotron_recover.recovery.local_snapshot import NODE_NAME_ENV, config_hash, run_id, scan, snapshot_folder
+from nanotron_recover.runs import run_training, write_config
+from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S + 60)]
+STEPS = 8
+RESUMED = re.compile(r"resumed from the local snapshot of step (\d+) \(history (\w+), coordinate (\d+), "
+                     r"payload crc32 (\w+)")
+
+
+def folder_of(config, run: str, node: str, monkeypatch) -> Path:
+    monkeypatch.setenv(NODE_NAME_ENV, node)
+    folder = snapshot_folder(config, run)
+    monkeypatch.delenv(NODE_NAME_ENV)
+    return folder
+
+
+def whole_steps(snaps, history: str | None = None) -> dict[tuple[str, int], dict[int, int]]:
+    """{(history, step): {coordinate: payload crc}} of the (history, step)s held for both coordinates."""
+    held: dict[tuple[str, int], dict[int, int]] = {}
+    for s in snaps:
+        held.setdefault((s.history, s.step), {})[s.coord] = s.header["crc32"]
+    return {k: v for k, v in held.items() if len(v) == 2 and (history is None or k[0] == history)}
+
+
+def launch_and_lose_when(config_path: Path, run_dir: Path, bed: Path, node: str, ready: Callable[[], bool],
+                         extra: list[str]) -> str:
+    """Launch on a one-node ``bed``; once ``ready()``, lose ``node``. -> the output."""
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data", *extra]
+    env = {**os.environ, **write_bed(bed, [2])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline, lost = time.monotonic() + TIMEOUT_S, False
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if not lost and ready():
+                kill_node(bed, node)
+                lost = True
+            time.sleep(0.02)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+    reader.join(timeout=30)
+    assert lost, f"launch 2 ended before it was ready to be lost:\n{''.join(output)[-4000:]}"
+    return "".join(output)
+
+
+def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_path, monkeypatch):
+    raw = tiny_config(dp=2, tp=2, accumulation=2, steps=STEPS, layers=2,
+                      fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
+                                       "local_snapshot_dir": str(tmp_path / "shm")})
+    config = config_from_dict(raw)
+    run_dir = tmp_path / "run"
+    config_path = write_config(raw, run_dir / "config.yaml")
+
+    bed = tmp_path / "bed1"
+    _launch_and_lose(config_path, run_dir, write_bed(bed, [2, 2]), bed, "n2", 4, [])
+    run, chash = run_id(run_dir), config_hash(config)
+    n1, n2 = folder_of(config, run, "n1", monkeypatch), folder_of(config, run, "n2", monkeypatch)
+    on_n2 = whole_steps(scan(n2, run, chash))
+    assert on_n2, "node 2 holds a whole snapshot of launch 1"
+    (h1,) = {history for history, _ in on_n2}
+    shutil.rmtree(n1)  # node 1 replaced: launch 2 starts from scratch
+
+    def both() -> set[int]:
+        """Steps held whole by launch 2 on node 1 and by launch 1 on node 2."""
+        quiet = lambda message: None  # noqa: E731 - files come and go while launch 2 writes
+        return ({step for _, step in whole_steps(scan(n1, run, chash, quiet))}
+                & {step for _, step in on_n2})
+
+    launch_and_lose_when(config_path, run_dir, tmp_path / "bed2", "n1", lambda: bool(both()), ["--replicas", "1"])
+    tie = both()
+    assert tie, "the loss of launch 2 came after its writes had moved past launch 1's steps"
+    k = max(tie)
+    for folder in (n1, n2):
+        for snap in scan(folder, run, chash):
+            if snap.step > k:
+                snap.path.unlink()
+    on_n1, on_n2 = whole_steps(scan(n1, run, chash)), whole_steps(scan(n2, run, chash))
+    (h2,) = {history for history, step in on_n1 if step == k}
+    assert h2 > h1 and (h1, k) in on_n2, (on_n1, on_n2)  # step k twice, in two histories; H2 the later launch
+
+    for key, value in write_bed(tmp_path / "bed3", [2, 2]).items():
+        monkeypatch.setenv(key, value)
+    relaunched = time.time()
+    result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    resumed = RESUMED.findall(result.output)
+    assert len(resumed) == 4, result.output[-4000:]
+    assert {(int(step), history) for step, history, _, _ in resumed} == {(k, h2)}
+    crcs = {int(coord): set() for _, _, coord, _ in resumed}
+    for _, _, coord, crc in resumed:
+        crcs[int(coord)].add(int(crc, 16))
+    assert all(len(v) == 1 for v in crcs.values()), crcs  # both replicas of each coordinate: the same state
+    assert {c: v.pop() for c, v in crcs.items()} == on_n1[(h2, k)]
+    after = [s["step"] for s in result.steps if s["time"] >= relaunched]
+    assert after == list(range(k + 1, STEPS + 1))
+    differ = on_n1[(h2, k)] != on_n2[(h1, k)]
+    print(f"\nstep {k} held by H1 on n2 and H2 on n1 ({'different' if differ else 'equal'} bytes): every rank "
+          f"loaded H2's")

@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
+from nanotron_recover.inject import record_external_fault  # noqa: E402
 from nanotron_recover.metrics import read_metrics_jsonl  # noqa: E402
 from nanotron_recover.runs import final_checkpoint, max_relative_param_diff, write_config  # noqa: E402
 from nanotron_recover.watchdog import MPI_DAEMONS  # noqa: E402
@@ -142,6 +143,7 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
             if due is not None and now >= due:
                 pending.pop(0)
                 due = None
+                record_external_fault(run_dir, f"{fault.signal}-" + ("-".join(map(str, fault.ranks)) or "mpirun"))
                 if fault.ranks:
                     pids = rank_pids(run_dir)
                     for rank in fault.ranks:

@@ -89,14 +89,16 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 def _scan_run_records(base: Path) -> dict[str, list]:
     import json
 
-    from nanotron_recover.inject import INJECTED_DIR
+    from nanotron_recover.inject import EXTERNAL_PREFIX, INJECTED_DIR
     from nanotron_recover.train import EXITS_DIR
 
     found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": []}
     for metrics in base.rglob("metrics.jsonl"):
         run_dir = metrics.parent
         injected = run_dir / INJECTED_DIR
-        expected = injected.is_dir() and any(m.name.endswith(("-stop", "-hang")) for m in injected.iterdir())
+        # a scheduled freeze or hang, or a signal sent from outside (a frozen rank, an orphaning kill of mpirun)
+        expected = injected.is_dir() and any(m.name.endswith(("-stop", "-hang")) or m.name.startswith(EXTERNAL_PREFIX)
+                                             for m in injected.iterdir())
         for line in metrics.read_text(errors="replace").splitlines():
             if '"hang_detected"' in line and not expected:
                 found["false_alarms"].append(f"{run_dir}: {line[:300]}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART
+from nanotron_recover.inject import record_external_fault
 from nanotron_recover.runs import last_logged_step, read_exits, write_config
 from nanotron_recover.watchdog import MPI_DAEMONS
 
@@ -108,6 +109,7 @@ def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive(tiny_config, tmp_pat
     try:
         mpirun = mpirun_of(launcher)
         wait_until(lambda: last_logged_step(tmp_path) >= 2, 120, "step 2")
+        record_external_fault(tmp_path, "stop-mpirun")
         os.kill(mpirun, signal.SIGSTOP)
         wait_until(lambda: len(read_exits(tmp_path)) == 2, 120, "both ranks finished training")
         assert {e["code"] for e in read_exits(tmp_path).values()} == {EXIT_DONE}
@@ -128,6 +130,7 @@ def test_ranks_orphaned_by_a_killed_mpirun_end_by_themselves(tiny_config, tmp_pa
     try:
         mpirun = mpirun_of(launcher)
         wait_until(lambda: last_logged_step(tmp_path) >= 2, 120, "step 2")
+        record_external_fault(tmp_path, "stop-kill-mpirun")  # the orphans' monitors report their daemon gone
         os.kill(mpirun, signal.SIGSTOP)  # a frozen daemon cannot tear its ranks down when it is killed
         assert rank_processes(tmp_path), "the ranks run"
         os.kill(mpirun, signal.SIGKILL)

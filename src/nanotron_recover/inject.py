@@ -40,6 +40,15 @@ SIGNALS = ("kill", "stop", "hang")
 # Where a ``startup`` fault lands, in start-up order.
 STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
 INJECTED_DIR = "injected"
+EXTERNAL_PREFIX = "external-"  # a marker of a fault sent from outside the run (a campaign, a test), not a schedule
+
+
+def record_external_fault(run_dir: str | os.PathLike, what: str) -> None:
+    """Leave ``injected/external-<what>`` (the time inside) before a signal is sent to a run from outside, so that
+    whoever reads the run later knows its hang events were provoked (a frozen rank, an orphaning kill of mpirun)."""
+    folder = Path(run_dir) / INJECTED_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{EXTERNAL_PREFIX}{what}").write_text(f"{time.time():.6f}\n")
 
 
 @dataclass(frozen=True)

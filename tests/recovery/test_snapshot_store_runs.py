@@ -147,7 +147,7 @@ def fill(folder: Path) -> None:
 
 
 def test_a_full_store_does_not_end_the_run(small_tmpfs, tmp_path):
-    steps = 8
+    steps = 200  # a step takes ~15 ms here: enough of them that snapshots are still being written after the fill
     run_dir = tmp_path / "run"
     config_path = write_config(tiny(small_tmpfs / "store", steps), run_dir / "config.yaml")
     cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),

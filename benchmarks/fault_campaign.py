@@ -42,62 +42,19 @@ from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, Extern
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
 from nanotron_recover.inject import record_external_fault  # noqa: E402
 from nanotron_recover.metrics import read_metrics_jsonl  # noqa: E402
-from nanotron_recover.runs import final_checkpoint, max_relative_param_diff, write_config  # noqa: E402
-from nanotron_recover.watchdog import MPI_DAEMONS  # noqa: E402
+from nanotron_recover.runs import (  # noqa: E402
+    final_checkpoint,
+    max_relative_param_diff,
+    mpirun_pid,
+    rank_pids,
+    rank_processes,
+    write_config,
+)
 
 FP32_TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ processes
-def _stat(pid: int) -> tuple[int, str, str]:
-    """(parent pid, name, state) of a process."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    name = text[text.index("(") + 1:text.rindex(")")]
-    state, ppid = text[text.rindex(")") + 2:].split()[:2]
-    return int(ppid), name, state
-
-
-def rank_pids(run_dir: Path) -> dict[int, int]:
-    """``{world rank: pid}`` of the live rank processes of this run (mpirun's own command line names the run dir
-    too: it does not count; nor do zombies or the start-up watchdog, a fork without an MPI rank of its own)."""
-    out: dict[int, int] = {}
-    needle = str(run_dir).encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            ppid, name, state = _stat(pid)
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"nanotron_recover.train" not in cmdline or needle not in cmdline or state == "Z" or name in MPI_DAEMONS:
-            continue
-        rank = next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
-        if rank is None:
-            continue
-        if rank in out:  # the rank and its start-up watchdog (a fork): the rank is the watchdog's parent
-            ppid_other = _stat(out[rank])[0]
-            if ppid_other == pid:
-                out[rank] = pid
-            continue
-        out[rank] = pid
-    return out
-
-
-def mpirun_pid(launcher: subprocess.Popen) -> int | None:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid, name, _ = _stat(int(entry))
-            except (OSError, ValueError):
-                continue
-            if ppid == launcher.pid and name in MPI_DAEMONS:
-                return int(entry)
-    return None
-
-
 def _signal(pid: int | None, sig: str) -> None:
     if pid is None:
         return
@@ -149,12 +106,12 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
                     for rank in fault.ranks:
                         _signal(pids.get(rank), fault.signal)
                 else:
-                    target = mpirun_pid(launcher)
+                    target = mpirun_pid(launcher.pid)
                     _signal(target, fault.signal)
                     if fault.signal == "stop":
                         stopped_mpirun = target
                 sent.append(f"{fault.describe()} at {now - t0:.1f} s")
-        if stopped_mpirun is not None and not rank_pids(run_dir):
+        if stopped_mpirun is not None and not rank_processes(run_dir):
             # a frozen mpirun never returns: once its ranks are gone (they end by themselves), end it as an
             # operator would, and the launcher judges what the run wrote
             _signal(stopped_mpirun, "kill")
@@ -164,7 +121,7 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
 
 
 def _kill_all(launcher: subprocess.Popen, run_dir: Path) -> None:
-    for pid in rank_pids(run_dir).values():
+    for pid in rank_processes(run_dir):
         _signal(pid, "kill")
     try:
         os.killpg(launcher.pid, signal.SIGKILL)
@@ -297,12 +254,12 @@ def _check_records(run_dir: Path, shape: Shape, reference: Reference, problems: 
 
 def _check_left_behind(run_dir: Path, shm: Path, problems: list[str]) -> None:
     deadline = time.monotonic() + 30
-    while rank_pids(run_dir) and time.monotonic() < deadline:
+    while rank_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = rank_pids(run_dir)
+    left = rank_processes(run_dir)
     if left:
-        problems.append(f"rank processes left 30 s after the end: {sorted(left)}")
-        for pid in left.values():
+        problems.append(f"rank processes left 30 s after the end: ranks {sorted(set(left.values()))}")
+        for pid in left:
             _signal(pid, "kill")
     files = [p for p in shm.rglob("*") if p.is_file()] if shm.exists() else []
     if files:

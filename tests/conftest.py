@@ -122,10 +122,11 @@ def _remove_left_snapshots(base: Path) -> None:
     from nanotron_recover.config import FaultToleranceArgs
     from nanotron_recover.recovery.local_snapshot import RUN_ID_FILE
 
-    folder = Path(FaultToleranceArgs().local_snapshot_dir)
+    folder = Path(FaultToleranceArgs().local_snapshot_dir).resolve()
     for id_file in base.rglob(RUN_ID_FILE):
         run = id_file.read_text().strip()
-        if run:
+        # a test may plant a hostile id ("../../etc"): only a plain hex id names a folder of the store
+        if run and all(c in "0123456789abcdef" for c in run) and (folder / run).resolve().parent == folder:
             shutil.rmtree(folder / run, ignore_errors=True)
 
 

@@ -20,8 +20,7 @@ import pytest
 
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART
 from nanotron_recover.inject import record_external_fault
-from nanotron_recover.runs import last_logged_step, read_exits, write_config
-from nanotron_recover.watchdog import MPI_DAEMONS
+from nanotron_recover.runs import last_logged_step, mpirun_pid, rank_processes, read_exits, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -30,46 +29,14 @@ FINALIZE_TIMEOUT_S = 8
 TIMEOUT_S = 240
 
 
-def _ppid_and_name(pid: int) -> tuple[int, str]:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    return int(stat[stat.rindex(")") + 2:].split()[1]), name
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
 def mpirun_of(launcher: subprocess.Popen) -> int:
     """The launcher's mpirun (PRRTE's ``prterun``), once it is started."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for pid in _pids():
-            try:
-                ppid, name = _ppid_and_name(pid)
-            except (OSError, ValueError):
-                continue
-            if ppid == launcher.pid and name in ("prterun", "mpirun"):
-                return pid
+    while (pid := mpirun_pid(launcher.pid)) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError("mpirun did not start")
         time.sleep(0.05)
-    raise AssertionError("mpirun did not start")
-
-
-def rank_processes(run_dir: Path) -> list[int]:
-    """Live rank processes of this run (their command line names the run dir); zombies and mpirun do not count."""
-    out = []
-    for pid in _pids():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            names = {Path(cmdline[0].decode(errors="replace")).name, _ppid_and_name(pid)[1]}
-        except (OSError, ValueError):
-            continue
-        is_launcher = bool(names & MPI_DAEMONS)  # mpirun's own command line names the program and the run dir
-        if b"nanotron_recover.train" in cmdline and str(run_dir).encode() in cmdline and state != "Z" \
-                and not is_launcher:
-            out.append(pid)
-    return out
+    return pid
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> float:
@@ -92,6 +59,15 @@ def launch(tiny_config, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def freeze_mpirun_after_step_2(launcher: subprocess.Popen, run_dir: Path, marker: str) -> int:
+    """SIGSTOP the launcher's mpirun once step 2 is logged (the run's marker says so first); its pid."""
+    mpirun = mpirun_of(launcher)
+    wait_until(lambda: last_logged_step(run_dir) >= 2, 120, "step 2")
+    record_external_fault(run_dir, marker)
+    os.kill(mpirun, signal.SIGSTOP)
+    return mpirun
+
+
 def end(launcher: subprocess.Popen, run_dir: Path) -> None:
     """Whatever happened: nothing of this run is left running."""
     for pid in rank_processes(run_dir):
@@ -107,10 +83,7 @@ def end(launcher: subprocess.Popen, run_dir: Path) -> None:
 def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive(tiny_config, tmp_path):
     launcher = launch(tiny_config, tmp_path)
     try:
-        mpirun = mpirun_of(launcher)
-        wait_until(lambda: last_logged_step(tmp_path) >= 2, 120, "step 2")
-        record_external_fault(tmp_path, "stop-mpirun")
-        os.kill(mpirun, signal.SIGSTOP)
+        mpirun = freeze_mpirun_after_step_2(launcher, tmp_path, "stop-mpirun")
         wait_until(lambda: len(read_exits(tmp_path)) == 2, 120, "both ranks finished training")
         assert {e["code"] for e in read_exits(tmp_path).values()} == {EXIT_DONE}
         assert last_logged_step(tmp_path) == STEPS
@@ -128,10 +101,8 @@ def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive(tiny_config, tmp_pat
 def test_ranks_orphaned_by_a_killed_mpirun_end_by_themselves(tiny_config, tmp_path):
     launcher = launch(tiny_config, tmp_path)
     try:
-        mpirun = mpirun_of(launcher)
-        wait_until(lambda: last_logged_step(tmp_path) >= 2, 120, "step 2")
-        record_external_fault(tmp_path, "stop-kill-mpirun")  # the orphans' monitors report their daemon gone
-        os.kill(mpirun, signal.SIGSTOP)  # a frozen daemon cannot tear its ranks down when it is killed
+        # a frozen daemon cannot tear its ranks down when it is killed (the orphans' monitors report it gone)
+        mpirun = freeze_mpirun_after_step_2(launcher, tmp_path, "stop-kill-mpirun")
         assert rank_processes(tmp_path), "the ranks run"
         os.kill(mpirun, signal.SIGKILL)
         took = wait_until(lambda: not rank_processes(tmp_path), 30, "the orphaned ranks end")

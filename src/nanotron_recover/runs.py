@@ -251,6 +251,69 @@ def _param_name(relative: Path) -> str:
     return ".".join((*relative.parent.parts, leaf))
 
 
+def _proc_stat(pid: int) -> tuple[int, str, str]:
+    """(parent pid, name, state) of a process, from ``/proc/<pid>/stat``."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    name = text[text.index("(") + 1:text.rindex(")")]
+    state, ppid = text[text.rindex(")") + 2:].split()[:2]
+    return int(ppid), name, state
+
+
+def rank_processes(run_dir: Path) -> dict[int, int]:
+    """``{pid: world rank}`` of every live process of this run's ranks: a rank, and during start-up its watchdog
+    (a fork of it). mpirun's own command line names the run dir too and does not count; nor do zombies."""
+    from nanotron_recover.watchdog import MPI_DAEMONS
+
+    needle = str(run_dir).encode()
+    out: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            if b"nanotron_recover.train" not in cmdline or needle not in cmdline:
+                continue
+            _, name, state = _proc_stat(int(entry))
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if state == "Z" or name in MPI_DAEMONS or Path(cmdline[0].decode(errors="replace")).name in MPI_DAEMONS:
+            continue
+        rank = next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is not None:
+            out[int(entry)] = rank
+    return out
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """``{world rank: pid}`` of this run's live ranks (the rank itself, not its start-up watchdog)."""
+    processes = rank_processes(run_dir)
+    out: dict[int, int] = {}
+    for pid, rank in processes.items():
+        try:
+            parent = _proc_stat(pid)[0]
+        except (OSError, ValueError):
+            continue
+        if processes.get(parent) != rank:  # the watchdog's parent is its rank
+            out[rank] = pid
+    return out
+
+
+def mpirun_pid(launcher_pid: int) -> int | None:
+    """The pid of the ``mpirun`` (PRRTE's ``prterun``) that the launcher ``launcher_pid`` started, if it runs."""
+    from nanotron_recover.watchdog import MPI_DAEMONS
+
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid, name, _ = _proc_stat(int(entry))
+            except (OSError, ValueError):
+                continue
+            if ppid == launcher_pid and name in MPI_DAEMONS:
+                return int(entry)
+    return None
+
+
 def kill_run_processes(run_dir: Path, launcher: subprocess.Popen) -> None:
     """SIGKILL a launched job whole, as a lost node does to an ``mpirun`` here: the launcher's process group and
     every process naming ``run_dir`` (Open MPI puts its ranks in groups of their own); wait until none is left."""

@@ -4,13 +4,31 @@ written as a replica-mate would, and a digest of a rank's state."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import types
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from nanotron_recover.recovery.local_snapshot import SnapshotWriter, _group_settings, private_tree, snapshot_folder
 from nanotron_recover.recovery.optim_state import ensure_adam_state, state_tensors
+
+
+@contextmanager
+def mounted_tmpfs(mount: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at ``mount`` (as root), e.g. ``size=256k``; the test is skipped where mounting is refused."""
+    import pytest
+
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def config(store: Path, ranks_per_replica: int = 1) -> types.SimpleNamespace:

@@ -11,7 +11,6 @@ import os
 import pickle
 import stat
 import struct
-import subprocess
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from nanotron_recover.recovery.local_snapshot import (
     scan,
     verify_file,
 )
-from tests.recovery.snapshot_world import config, training_state, write_line
+from tests.recovery.snapshot_world import config, mounted_tmpfs, training_state, write_line
 
 RUN, CONFIG = "00000000000000aa", "cfg-a"
 OTHER_UID = 65534  # nobody: a uid that is not ours (we run as root: chown works without a real user)
@@ -124,7 +123,7 @@ def test_a_file_of_another_user_or_readable_by_others_is_refused(tmp_path):
 
 
 def test_a_run_id_that_is_not_hex_never_becomes_a_path(tmp_path):
-    (tmp_path / "run_id.txt").write_text("../../../etc\n")
+    (tmp_path / "run_id.txt").write_text("../../../not-a-run-nr\n")  # a traversal (harmless target)
     assert run_id(tmp_path) is None
     with pytest.raises(ValueError, match="does not hold a run id"):
         ensure_run_id(tmp_path)
@@ -145,15 +144,8 @@ def test_only_other_runs_untouched_for_long_are_removed(tmp_path):
 # ------------------------------------------------------------------------------------------- a full store
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", "size=256k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_store_turns_snapshots_off_leaving_no_partial_file(small_tmpfs):

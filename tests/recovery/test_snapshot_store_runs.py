@@ -29,6 +29,7 @@ import pytest
 from nanotron_recover.recovery.local_snapshot import ensure_run_id, node_name
 from nanotron_recover.runs import read_metrics, run_training, write_config
 from tests.conftest import make_tiny_config
+from tests.recovery.snapshot_world import mounted_tmpfs
 from tests.recovery.test_local_snapshot_resume import launch_and_kill_the_job
 
 TIMEOUT_S = 240
@@ -122,16 +123,8 @@ def test_a_store_planted_by_another_user_is_neither_loaded_nor_executed(other_us
 # ------------------------------------------------------------------------------------------- a full store
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "size=4m,mode=0700") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(folder: Path) -> None:

@@ -277,6 +277,8 @@ class HangMonitor:
                 self.margin.max_silence_s = silence
                 self.margin.max_silence_of = (f"rank {rank} (last heard at step {peer.last_step} {peer.last_where}), "
                                               f"me at step {self.progress.step} {self.progress.where}")
+            if silence < limit:  # the common case: no need to work out whose turn a kill would be
+                continue
             watchers = [w for w in self._peers_of(rank) if w in live]  # sorted
             turn = watchers.index(self.rank) if self.rank in watchers else len(watchers)
             if silence < limit + turn * HEARTBEAT_PERIOD_S:

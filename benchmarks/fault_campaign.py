@@ -40,8 +40,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
-from nanotron_recover.inject import record_external_fault  # noqa: E402
-from nanotron_recover.metrics import read_metrics_jsonl  # noqa: E402
+from nanotron_recover.run_folder import record_external_fault  # noqa: E402
+from nanotron_recover.run_folder import read_metrics_jsonl  # noqa: E402
 from nanotron_recover.runs import (  # noqa: E402
     final_checkpoint,
     max_relative_param_diff,

@@ -87,28 +87,21 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 # session); the closest any run came to its timeout is printed (the margin), and so is every repair round that
 # found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting).
 def _scan_run_records(base: Path) -> dict[str, list]:
-    import json
 
-    from nanotron_recover.inject import EXTERNAL_PREFIX, INJECTED_DIR
-    from nanotron_recover.train import EXITS_DIR
+    from nanotron_recover.run_folder import METRICS_FILE, has_provoked_hang, read_exits
 
     found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": []}
-    for metrics in base.rglob("metrics.jsonl"):
+    for metrics in base.rglob(METRICS_FILE):
         run_dir = metrics.parent
-        injected = run_dir / INJECTED_DIR
         # a scheduled freeze or hang, or a signal sent from outside (a frozen rank, an orphaning kill of mpirun)
-        expected = injected.is_dir() and any(m.name.endswith(("-stop", "-hang")) or m.name.startswith(EXTERNAL_PREFIX)
-                                             for m in injected.iterdir())
+        expected = has_provoked_hang(run_dir)
         for line in metrics.read_text(errors="replace").splitlines():
             if '"hang_detected"' in line and not expected:
                 found["false_alarms"].append(f"{run_dir}: {line[:300]}")
             if '"repair_without_failure"' in line:
                 found["without_failure"].append(f"{run_dir}: {line[:300]}")
-        for exit_record in (run_dir / EXITS_DIR).glob("rank-*.json"):
-            try:
-                margin = json.loads(exit_record.read_text()).get("hang_margin")
-            except ValueError:
-                continue
+        for exit_record in read_exits(run_dir).values():
+            margin = exit_record.get("hang_margin")
             if margin and not expected:
                 found["margins"].append(margin)
     return found
@@ -120,7 +113,7 @@ def _remove_left_snapshots(base: Path) -> None:
     import shutil
 
     from nanotron_recover.config import FaultToleranceArgs
-    from nanotron_recover.recovery.local_snapshot import RUN_ID_FILE
+    from nanotron_recover.run_folder import RUN_ID_FILE
 
     folder = Path(FaultToleranceArgs().local_snapshot_dir).resolve()
     for id_file in base.rglob(RUN_ID_FILE):

@@ -7,7 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from nanotron_recover.launch import PRRTE_STARTUP_FAILURES, launch_failure, ranks_wrote_since
+from nanotron_recover.launch import PRRTE_STARTUP_FAILURES, launch_failure
+from nanotron_recover.run_folder import ranks_wrote_since
 
 LISTENER = PRRTE_STARTUP_FAILURES[0]
 
@@ -80,7 +81,7 @@ def test_the_retries_end(tmp_path: Path) -> None:
 def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2) -> int:
     from nanotron_recover.config import config_from_dict
     from nanotron_recover.launch import _judge
-    from nanotron_recover.train import record_exit
+    from nanotron_recover.run_folder import record_exit
     from tests.conftest import make_tiny_config
 
     config = config_from_dict(make_tiny_config(steps=10, fault_tolerance={"enabled": True}))

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART
-from nanotron_recover.inject import record_external_fault
-from nanotron_recover.runs import last_logged_step, mpirun_pid, rank_processes, read_exits, write_config
+from nanotron_recover.run_folder import record_external_fault
+from nanotron_recover.runs import mpirun_pid, rank_processes, write_config
+from nanotron_recover.run_folder import last_logged_step, read_exits
 
 pytestmark = pytest.mark.slow
 

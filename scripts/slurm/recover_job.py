@@ -33,7 +33,7 @@ from typing import Sequence
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
 from nanotron_recover.exit_codes import EXIT_BAD_INPUT
 from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
-from nanotron_recover.runs import OUTCOME_EXIT_CODES, run_outcome
+from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, run_outcome
 
 
 def _info(argv: Sequence[str]) -> int:

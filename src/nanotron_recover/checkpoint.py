@@ -22,6 +22,7 @@ from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
+from nanotron_recover.run_folder import fsync_dir, write_atomically
 
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 
@@ -41,25 +42,8 @@ def _fsync_tree(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
@@ -197,11 +181,11 @@ class CheckpointManager:
             **layout_state(self.config),
             **(extra_state or {}),
         }
-        write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2))
+        write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2), durable=True)
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)
-        _fsync_dir(self.root)
-        write_atomically(self.root / LATEST, f"{step}\n")
+        fsync_dir(self.root)
+        write_atomically(self.root / LATEST, f"{step}\n", durable=True)
 
     def resume_source(self) -> Path | None:
         """The explicit ``resume_checkpoint_path`` if set, else this run's own latest checkpoint (auto-resume)."""

@@ -12,7 +12,7 @@ within the replica and ``signal`` says what happens to the process:
 For ``reduce`` the reduction loop calls ``maybe_fail(step, "reduce")`` after its first bucket was sent, so the
 fault lands mid-reduction. Phase ``startup`` fires before the first step, at the point named by ``at``
 (:data:`STARTUP_POINTS`); its ``step`` must be 0. A marker file per fired entry (``<run_dir>/injected/``) makes a
-fault happen once per run (a relaunch that resumes does not fire it again) and records when it fired.
+fault happen once per run (a relaunch that resumes does not fire it again) and records what fired and when.
 
 This module must stay light (standard library only): it runs before ``MPI_Init``.
 """
@@ -29,6 +29,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from nanotron_recover import run_folder
+
 # "repair": the process dies inside the survivors' repair (after Shrink): a failure during recovery.
 # "forming": any rank of the world as a replica is formed from recycled ranks (before its world Split; a pool rank
 # by its old name); "rendezvous": a member of that replica, before its torch world's rendezvous;
@@ -39,16 +41,6 @@ PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload"
 SIGNALS = ("kill", "stop", "hang")
 # Where a ``startup`` fault lands, in start-up order.
 STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
-INJECTED_DIR = "injected"
-EXTERNAL_PREFIX = "external-"  # a marker of a fault sent from outside the run (a campaign, a test), not a schedule
-
-
-def record_external_fault(run_dir: str | os.PathLike, what: str) -> None:
-    """Leave ``injected/external-<what>`` (the time inside) before a signal is sent to a run from outside, so that
-    whoever reads the run later knows its hang events were provoked (a frozen rank, an orphaning kill of mpirun)."""
-    folder = Path(run_dir) / INJECTED_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{EXTERNAL_PREFIX}{what}").write_text(f"{time.time():.6f}\n")
 
 
 @dataclass(frozen=True)
@@ -127,12 +119,13 @@ class FailureInjector:
         schedule: Iterable[Mapping[str, Any] | FailureSpec] | str | None,
         my_replica: int,
         my_local_rank: int,
-        fired_dir: str | os.PathLike[str] | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        """``fired_dir``: where a marker per fired entry is kept, so that a relaunch of the same run (resuming from
-        a checkpoint, replaying the step) does not fire it again: a failure happens once per run."""
+        """``run_dir``: where a record per fired entry is kept (:func:`run_folder.record_fired_fault`), so that a
+        relaunch of the same run (resuming from a checkpoint, replaying the step) does not fire it again: a failure
+        happens once per run. Without one, nothing is recorded."""
         self.schedule = parse_schedule(schedule)
-        self.fired_dir = Path(fired_dir) if fired_dir is not None else None
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.retarget(my_replica, my_local_rank)
 
     def retarget(self, my_replica: int, my_local_rank: int) -> None:
@@ -143,12 +136,11 @@ class FailureInjector:
         self._mine = {
             (s.step, s.point): s
             for s in self.schedule
-            if s.replica == my_replica and s.rank == my_local_rank and not self._marker(s).is_file()
+            if s.replica == my_replica and s.rank == my_local_rank and not self._fired(s)
         }
 
-    def _marker(self, spec: FailureSpec) -> Path:
-        base = self.fired_dir if self.fired_dir is not None else Path(os.devnull)
-        return base / marker_name(spec)
+    def _fired(self, spec: FailureSpec) -> bool:
+        return self.run_dir is not None and run_folder.fault_marker_path(self.run_dir, marker_name(spec)).is_file()
 
     def targets_me(self) -> bool:
         return any(s.replica == self.my_replica and s.rank == self.my_local_rank for s in self.schedule)
@@ -167,12 +159,10 @@ class FailureInjector:
                 raise ValueError(f"unknown phase {phase!r}")
             return
         del self._mine[(step, phase)]
-        if self.fired_dir is not None:
-            self.fired_dir.mkdir(parents=True, exist_ok=True)
-            with open(self._marker(spec), "w") as f:
-                f.write(f"{time.time():.6f}\n")
-                f.flush()
-                os.fsync(f.fileno())
+        if self.run_dir is not None:
+            run_folder.record_fired_fault(self.run_dir, marker_name(spec), {
+                "step": spec.step, "replica": spec.replica, "rank": spec.rank, "phase": spec.phase, "at": spec.at,
+                "signal": spec.signal})
         sys.stdout.flush()
         sys.stderr.write(
             f"[inject] {spec.signal.upper()} replica {self.my_replica} local rank {self.my_local_rank} "

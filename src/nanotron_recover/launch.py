@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, ranks_wrote_since, run_outcome
 from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 
 if TYPE_CHECKING:
@@ -170,15 +171,6 @@ def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RET
     return rc
 
 
-def ranks_wrote_since(run_dir: Path, since: float) -> bool:
-    """Did a rank of the launch that began at ``since`` get far enough to write a step record or an exit record?"""
-    from nanotron_recover.metrics import METRICS_FILE
-    from nanotron_recover.train import EXITS_DIR
-
-    paths = [run_dir / METRICS_FILE, *(run_dir / EXITS_DIR).glob("rank-*.json")]
-    return any(path.exists() and path.stat().st_mtime >= since for path in paths)
-
-
 def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
     """The PRRTE start-up failure that ended this launch, if any: the runtime itself did not come up (seen on a
     loaded machine), no rank ran, and the same command is expected to work a moment later."""
@@ -235,8 +227,6 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:
     mpirun returns 0 when the whole job was torn down (a node's daemon lost) and 1 when a rank
     ended the job with the restart outcome (a start-up timeout). Any run that did not reach its last step and
     whose ranks recorded no bug exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it."""
-    from nanotron_recover.runs import OUTCOME_EXIT_CODES, run_outcome
-
     verdict, detail = run_outcome(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config))
     if verdict == "restart":
         print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "

@@ -2,7 +2,7 @@
 
 Only the logging rank writes. After a failure the logging rank may move to another process: that process calls
 ``set_logging(True)`` and appends to the same JSONL; for wandb it reuses the run id kept in
-``<run_dir>/wandb_run_id`` so both halves belong to one run when synced.
+the run folder's id (``run_id.txt``) so both halves belong to one run when synced.
 
 The JSONL is the record; wandb is a copy, rebuilt from the JSONL where it may lack something. A record handed
 to ``wandb.log`` is not yet on disk: wandb keeps a step's row open until a later step arrives and flushes its
@@ -27,19 +27,18 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["MetricsLogger", "read_metrics_jsonl", "wandb_replay", "find_wandb_run_files"]
+from nanotron_recover import run_folder
+from nanotron_recover.run_folder import read_logged_step, read_metrics_jsonl
+
+__all__ = ["MetricsLogger", "wandb_replay", "find_wandb_run_files"]
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb_run_id"
-WANDB_LOGGED_FILE = "wandb_logged_step"  # the last step the wandb copy holds for sure (written after finish())
 _WANDB_INIT_KEYS = ("project", "entity", "name", "group", "job_type", "tags", "notes", "config", "id", "mode", "dir")
 
 
@@ -82,7 +81,7 @@ class MetricsLogger:
         # wraps wandb's start (seconds: it spawns a service process, then replays): the trainer tells the hang
         # monitor, for a rank that becomes the logging rank mid-run starts wandb inside a step
         self.slow_io: Callable[[], AbstractContextManager[Any]] = nullcontext
-        self.path = self.run_dir / METRICS_FILE
+        self.path = run_folder.metrics_path(self.run_dir)
         self.wandb_config = dict(wandb_config) if wandb_config is not None else None
         if self.wandb_config is not None and not self.wandb_config.pop("enabled", True):
             self.wandb_config = None
@@ -139,19 +138,6 @@ class MetricsLogger:
         self._file.flush()
 
     # -- wandb ------------------------------------------------------------------------------------------------
-    def _run_id(self) -> str:
-        """The run id shared by every process that ever logs into ``run_dir`` (kept in a small file)."""
-        id_file = self.run_dir / WANDB_ID_FILE
-        if id_file.is_file():
-            existing = id_file.read_text(encoding="utf-8").strip()
-            if existing:
-                return existing
-        run_id = uuid.uuid4().hex[:8]
-        tmp = id_file.with_name(f"{WANDB_ID_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(run_id + "\n", encoding="utf-8")
-        tmp.replace(id_file)
-        return run_id
-
     def _replay(self, run: Any, before_step: Any) -> None:
         """Re-log the JSONL records the wandb copy may lack (see the module docstring)."""
         limit = before_step if _is_step(before_step) else None
@@ -184,7 +170,7 @@ class MetricsLogger:
             kwargs.setdefault("mode", os.environ.get("WANDB_MODE", "offline"))
             kwargs.setdefault("dir", str(self.run_dir))
             if "id" not in kwargs:
-                kwargs["id"] = self._run_id()
+                kwargs["id"] = run_folder.ensure_run_id(self.run_dir)  # wandb's run is the run folder's
             Path(kwargs["dir"]).mkdir(parents=True, exist_ok=True)
             self._wandb_run = wandb.init(
                 resume="allow",
@@ -242,7 +228,7 @@ class MetricsLogger:
                 logger.warning("metrics: wandb finish failed (%s: %s)", type(exc).__name__, exc)
             else:
                 if self._wandb_last_step is not None:  # every row logged so far is on disk now
-                    _write_atomically(self.run_dir / WANDB_LOGGED_FILE, f"{self._wandb_last_step}\n")
+                    run_folder.record_logged_step(self.run_dir, self._wandb_last_step)
             self._wandb_run = None
         self.enabled = False
 
@@ -251,29 +237,6 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl`` (a run folder or the file itself), in file order; ``[]`` if none.
-
-    The one reader of the file (tests, benchmarks, the Slurm helper read through it). A line cut short by a
-    SIGKILL of the logging process (the last line, or a line the next logging process appended after) does not
-    parse and is skipped, as is anything that is not a JSON object.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def find_wandb_run_files(root: str | Path) -> list[Path]:
@@ -318,18 +281,3 @@ def wandb_replay(
         if values:
             out.append((step, values))
     return out
-
-
-def read_logged_step(run_dir: str | Path) -> int | None:
-    """The sidecar's step: the last step a finished wandb process of this run logged, or ``None``."""
-    try:
-        text = (Path(run_dir) / WANDB_LOGGED_FILE).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

@@ -90,7 +90,8 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return
     from nanotron_recover.memory import snapshot_bytes_per_rank
-    from nanotron_recover.recovery.local_snapshot import run_id, snapshot_folder
+    from nanotron_recover.recovery.local_snapshot import snapshot_folder
+    from nanotron_recover.run_folder import run_id
 
     folder = Path(ft.local_snapshot_dir)
     existing = folder

@@ -1,4 +1,5 @@
-"""Launch a training run through the real launcher and read its results back (tests, benchmarks).
+"""Launch a training run through the real launcher and measure it (tests, benchmarks); the run's files are read
+through :mod:`nanotron_recover.run_folder`.
 
 A run is judged by what it wrote, not by mpirun's exit code: under ``--with-ft ulfm`` mpirun returns 0 even
 when ranks were SIGKILLed.
@@ -19,10 +20,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
-from nanotron_recover.inject import INJECTED_DIR, SIGNALS  # the injector leaves one marker per fired entry there
-from nanotron_recover.metrics import read_metrics_jsonl
-from nanotron_recover.train import EXITS_DIR
+from nanotron_recover.run_folder import read_metrics
 
 
 @dataclass
@@ -40,111 +38,6 @@ class RunResult:
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
-
-
-def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """Per-step records (deduplicated by step, last wins) and events from ``metrics.jsonl``
-    (read by :func:`nanotron_recover.metrics.read_metrics_jsonl`: a torn line is skipped)."""
-    steps: dict[int, dict] = {}
-    events: list[dict] = []
-    for record in read_metrics_jsonl(run_dir):
-        if "event" in record:
-            events.append(record)
-        elif "step" in record:
-            steps[int(record["step"])] = record
-    return [steps[k] for k in sorted(steps)], events
-
-
-# inject.marker_name: step{s}-replica{r}-rank{k}-{phase, or startup.<point>}[-{signal}]; later fields are ignored
-_MARKER = re.compile(r"step(\d+)-replica(\d+)-rank(\d+)-([a-z_]+)(?:\.([a-z_]+))?(?:-([a-z_]+))?(?:-.*)?")
-
-
-def read_kills(run_dir: Path) -> list[dict[str, Any]]:
-    """The injected faults that fired in ``run_dir``, oldest first, from the injector's markers in
-    ``injected/``: ``{"step", "replica", "rank", "phase", "at", "signal", "time"}``.
-
-    ``at`` is the start-up point of a ``startup`` fault (else ``None``); ``signal`` is ``kill`` (SIGKILL, the
-    default), ``stop`` or ``hang``; ``time`` is the unix time written into the marker just before the signal
-    (``None`` if unreadable). A file whose name does not parse is skipped.
-    """
-    folder = Path(run_dir) / INJECTED_DIR
-    kills = []
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-        m = _MARKER.fullmatch(path.name)
-        if m is None:
-            continue
-        try:
-            t: float | None = float(path.read_text().strip())
-        except (OSError, ValueError):
-            t = None
-        signal = m[6] if m[6] in SIGNALS else "kill"
-        kills.append({"step": int(m[1]), "replica": int(m[2]), "rank": int(m[3]), "phase": m[4], "at": m[5],
-                      "signal": signal, "time": t})
-    return sorted(kills, key=lambda k: (k["time"] is None, k["time"] or 0.0, k["step"]))
-
-
-def resumed_from(steps: Sequence[dict[str, Any]]) -> int:
-    """The checkpoint step a job resumed from, read from the step records it logged (oldest first): one less than
-    its first step (0 for a job that started fresh or logged none)."""
-    return int(steps[0]["step"]) - 1 if steps else 0
-
-
-def read_exits(run_dir: Path) -> dict[int, dict]:
-    """How each rank ended: ``{world rank: {"code", "reason"}}`` from ``exits/``; a SIGKILLed rank leaves none."""
-    out = {}
-    for path in (Path(run_dir) / EXITS_DIR).glob("rank-*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except ValueError:  # written before records were atomic, or not by us: no record
-            continue
-        out[record["rank"]] = record
-    return out
-
-
-def last_logged_step(run_dir: Path) -> int:
-    """The highest ``step`` of a per-step record in ``<run_dir>/metrics.jsonl`` (0 if none; a torn line is skipped)."""
-    steps = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
-    return max(steps, default=0)
-
-
-def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints") -> int | None:
-    """The step that ``latest.txt`` names (a relative ``checkpoints_path`` lives in the run dir), or None."""
-    root = Path(checkpoints_path)
-    root = root if root.is_absolute() else Path(run_dir) / root
-    latest = root / "latest.txt"
-    if not latest.is_file():
-        return None
-    text = latest.read_text(encoding="utf-8").strip()
-    return int(text) if text.isdigit() else None
-
-
-def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
-                checkpoints_path: str = "checkpoints") -> tuple[str, str]:
-    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput" | "aborted", detail)``.
-
-    ``done``: the last step (``train_steps``) was logged or checkpointed. ``badinput``: mpirun returned 2 (the
-    trainer rejected its input; relaunching cannot help). ``aborted``: a rank's exit record says it aborted the
-    job on a bug (exit 1: the same error would come back). Else ``restart``: the trainer stopped below
-    ``min_replicas`` (rc 3), a start-up fault or an unresolvable hang ended the job (rc 3), or the job was torn
-    down from outside with mpirun returning 0: a lost node's daemon ends every rank on this Open MPI, and those
-    ranks leave no exit record (the detail counts the records).
-    """
-    last = last_logged_step(run_dir)
-    ckpt = latest_checkpoint_step(run_dir, checkpoints_path)
-    exits = read_exits(run_dir)
-    codes = sorted({int(e.get("code", -1)) for e in exits.values()})
-    detail = (f"last logged step {last}/{train_steps}, mpirun rc {mpirun_rc}, latest checkpoint {ckpt}, "
-              f"exit records {len(exits)} (codes {codes})")
-    if last >= train_steps or (ckpt is not None and ckpt >= train_steps):
-        return "done", detail
-    if mpirun_rc == EXIT_BAD_INPUT or EXIT_BAD_INPUT in codes:
-        return "badinput", detail
-    if EXIT_ABORTED in codes:
-        return "aborted", detail
-    return "restart", detail
-
-
-OUTCOME_EXIT_CODES = {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT, "aborted": EXIT_ABORTED, "restart": EXIT_RESTART}
 
 
 def write_config(config: dict, path: Path) -> Path:

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
-from nanotron_recover.inject import INJECTED_DIR, FailureInjector
-from nanotron_recover.watchdog import StartupWatchdog, end_job, write_record_atomically
+from nanotron_recover.inject import FailureInjector
+from nanotron_recover.run_folder import exit_record_path, record_exit
+from nanotron_recover.watchdog import StartupWatchdog, end_job
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
-EXITS_DIR = "exits"
 
 
 @dataclass
@@ -87,21 +87,14 @@ def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | N
     if peek is None:
         return None
     ft, rpr = peek
-    record = Path(run_dir) / EXITS_DIR / f"rank-{rank}.json" if run_dir else None
+    record = exit_record_path(Path(run_dir), rank) if run_dir else None
     watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}", exit_record=record)
     try:
-        fired = Path(run_dir) / INJECTED_DIR if run_dir else None
-        injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, fired_dir=fired)
+        injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, run_dir=run_dir)
     except (ValueError, TypeError, KeyError):  # a bad schedule: the config loader names the key
         injector = FailureInjector([], 0, 0)
     injector.maybe_fail(0, "startup:before_mpi_init")
     return StartupGuard(watchdog, injector)
-
-
-def record_exit(run_dir: Path, rank: int, code: int, reason: str, **extra: Any) -> None:
-    """``<run_dir>/exits/rank-<r>.json``: how each rank ended (mpirun's own exit code says little under ULFM)."""
-    record = {"rank": rank, "code": code, "reason": reason, **{k: v for k, v in extra.items() if v}}
-    write_record_atomically(run_dir / EXITS_DIR / f"rank-{rank}.json", record)
 
 
 def _run_stock(config, run_dir: Path, timeout_s: float) -> int:

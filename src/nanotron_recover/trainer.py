@@ -29,7 +29,8 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.ft.hang_policy import METRICS_IO
-from nanotron_recover.inject import INJECTED_DIR, FailureInjector
+from nanotron_recover.inject import FailureInjector
+from nanotron_recover.run_folder import INJECTED_DIR
 from nanotron_recover.memory import training_state_bytes
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
@@ -58,7 +59,7 @@ class RecoverTrainer:
         # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
         self.injector = FailureInjector(
             config.fault_tolerance.inject if config.fault_tolerance else [],
-            data_parallel.replica, data_parallel.local_rank, fired_dir=self.run_dir / INJECTED_DIR,
+            data_parallel.replica, data_parallel.local_rank, run_dir=self.run_dir,
         )
         self._current_step = 0  # read by the phase hooks
 

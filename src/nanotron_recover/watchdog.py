@@ -18,14 +18,14 @@ Standard library only: this module runs before ``MPI_Init``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import json
 import os
 import select
 import signal
 import sys
 import time
+from pathlib import Path
+
+from nanotron_recover.run_folder import write_json_atomically
 
 # Names of Open MPI 5's launcher / daemon processes (the parent of every rank it starts).
 MPI_DAEMONS = frozenset({"prterun", "prted", "mpirun", "mpiexec"})
@@ -88,21 +88,12 @@ def arm_exit_deadline(timeout_s: float, pid: int | None = None) -> None:
         _say(f"[nanotron-recover] could not arm the exit deadline: {e}")
 
 
-def write_record_atomically(path: Path, record: dict) -> None:
-    """``path`` holds the whole JSON record or the previous one, never a torn one: a rank's exit record may be
-    written while the job is being torn down (a temporary file, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
-
-
 def _write_exit_record(path: Path, reason: str) -> None:
     from nanotron_recover.exit_codes import EXIT_RESTART
 
     try:
         rank = int(path.stem.split("-")[-1])
-        write_record_atomically(path, {"rank": rank, "code": EXIT_RESTART, "reason": reason})
+        write_json_atomically(path, {"rank": rank, "code": EXIT_RESTART, "reason": reason})
     except (OSError, ValueError):
         pass
 

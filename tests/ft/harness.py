@@ -13,7 +13,7 @@ from typing import Any
 
 from nanotron_recover.launch import LAUNCH_RETRIES, launch_failure
 from nanotron_recover.mpirun import mpirun_command
-from nanotron_recover.runs import read_kills
+from nanotron_recover.run_folder import read_kills
 
 WORKER = Path(__file__).with_name("worker.py")
 HARD_TIMEOUT_S = 90.0

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, read_exits, read_kills, run_training
+from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.run_folder import read_exits, read_kills
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, read_exits, run_training
+from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.run_folder import read_exits
 
 STEPS = 6
 FAIL_STEP = 3

@@ -22,7 +22,8 @@ import numpy as np
 from mpi4py import MPI
 
 from nanotron_recover.ft import FailureDetected, FTWorld, ReplicaEvicted
-from nanotron_recover.inject import INJECTED_DIR, FailureInjector
+from nanotron_recover.inject import FailureInjector
+from nanotron_recover.run_folder import INJECTED_DIR
 
 
 def contribution(replica: int, local: int, step: int, bucket: int, n: int) -> np.ndarray:
@@ -62,7 +63,7 @@ def main() -> None:
 
     world = FTWorld(MPI.COMM_WORLD, rpr, cfg.get("active"), on_evict=on_evict)
     result.update(rank=world.rank, replica=world.replica, local=world.local_rank)
-    inj = FailureInjector(cfg.get("schedule", []), world.replica, world.local_rank, fired_dir=outdir / INJECTED_DIR)
+    inj = FailureInjector(cfg.get("schedule", []), world.replica, world.local_rank, run_dir=outdir)
     stuck = {(s["step"], s["replica"], s["rank"]) for s in cfg.get("stuck", [])}
     die_in_repair = {(d["epoch"], d["replica"], d["rank"]) for d in cfg.get("die_in_repair", [])}
     die_at = {(d["epoch"], d["replica"], d["rank"]): (d["point"], d.get("attempt", 1)) for d in cfg.get("die_at", [])}

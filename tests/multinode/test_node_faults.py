@@ -26,7 +26,8 @@ import pytest
 
 from nanotron_recover.exit_codes import EXIT_RESTART
 from nanotron_recover.fake_nodes import kill_node, node_ranks, write_bed
-from nanotron_recover.runs import latest_checkpoint_step, read_exits, read_metrics, run_outcome, run_training, write_config
+from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.run_folder import latest_checkpoint_step, read_exits, read_metrics, run_outcome
 
 pytestmark = pytest.mark.slow
 
@@ -253,6 +254,6 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
 
 
 def _all_step_records(run_dir: Path) -> list[dict]:
-    from nanotron_recover.metrics import read_metrics_jsonl
+    from nanotron_recover.run_folder import read_metrics_jsonl
 
     return [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]

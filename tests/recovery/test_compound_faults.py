@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.runs import latest_checkpoint_step, read_metrics, run_training
+from nanotron_recover.runs import run_training
+from nanotron_recover.run_folder import latest_checkpoint_step, read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.mpirun import mpirun_command
-from nanotron_recover.recovery.local_snapshot import config_hash, ensure_run_id, scan
+from nanotron_recover.recovery.local_snapshot import config_hash, scan
+from nanotron_recover.run_folder import ensure_run_id
 from tests.recovery.snapshot_world import config, node_folder, state_digest, training_state, write_line
 
 TIMEOUT_S = 120

@@ -35,7 +35,8 @@ def _write_run(d, *, first_step, n_steps, quota_by_step, mb_s, base_s, procs, la
     (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if kill:
         (d / "injected").mkdir()
-        (d / "injected" / "step3-replica1-rank0-backward").write_text(str(kill))
+        (d / "injected" / "step3-replica1-rank0-backward").write_text(json.dumps(
+            {"step": 3, "replica": 1, "rank": 0, "phase": "backward", "at": None, "signal": "kill", "time": kill}))
     (d / "output.log").write_text("done\n")
     os.utime(d / "output.log", (t + exit_s, t + exit_s))
 

@@ -29,8 +29,9 @@ from typing import Iterator
 
 import pytest
 
-from nanotron_recover.metrics import read_metrics_jsonl
-from nanotron_recover.runs import read_metrics, resumed_from, run_training, write_config
+from nanotron_recover.run_folder import read_metrics_jsonl
+from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.run_folder import read_metrics, resumed_from
 from tests.conftest import make_tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -60,6 +60,7 @@ from typing import Any, BinaryIO, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from nanotron_recover.recovery.buckets import local_tensor
+from nanotron_recover.run_folder import ensure_run_id
 
 MAGIC = b"NRSNAP02"
 NODE_NAME_ENV = "NANOTRON_RECOVER_NODE_NAME"  # set by a test bed's stand-in for ssh; else the host name
@@ -73,7 +74,6 @@ _U32 = struct.Struct("<I")
 _ID = re.compile(r"[0-9a-f]{8,64}")  # run ids and history ids: they become path components
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _FILE = re.compile(r"r(\d+)-c(\d+)\.h([0-9a-f]{8,64})\.s(\d+)" + re.escape(SUFFIX))
-RUN_ID_FILE = "run_id.txt"
 PREFIX = "[nanotron-recover]"
 
 
@@ -97,40 +97,6 @@ def node_name() -> str:
 
 def _valid_id(value: str) -> bool:
     return bool(_ID.fullmatch(value))
-
-
-def run_id(run_dir: Path) -> str | None:
-    """The id that the run dir's first launch gave the run (None before it, or if the file does not hold a run
-    id: it becomes a path component)."""
-    try:
-        found = (Path(run_dir) / RUN_ID_FILE).read_text().strip()
-    except FileNotFoundError:
-        return None
-    return found if _valid_id(found) else None
-
-
-def ensure_run_id(run_dir: Path) -> str:
-    """This run's id, created at its first launch. Why not the run dir's path: a new run in a run dir of the same
-    path (the old one deleted, or a test bed whose temporary folders repeat) would take the old run's snapshots that
-    are still in ``/dev/shm``. Every rank may call it at once: the id is written to a temporary file and hard-linked
-    into place, so one wins and the others read the complete file."""
-    run_dir = Path(run_dir)
-    found = run_id(run_dir)
-    if found is not None:
-        return found
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{RUN_ID_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-    tmp.write_text(secrets.token_hex(8) + "\n")
-    try:
-        os.link(tmp, run_dir / RUN_ID_FILE)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
-    found = run_id(run_dir)
-    if found is None:
-        raise ValueError(f"{run_dir / RUN_ID_FILE} does not hold a run id (hex digits): delete it to start a new run")
-    return found
 
 
 def new_history_id() -> str:

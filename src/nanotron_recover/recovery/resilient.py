@@ -27,6 +27,7 @@ import torch
 import torch.distributed as torch_dist
 from mpi4py import MPI
 
+from nanotron_recover import run_folder
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.exit_codes import EXIT_RESTART
@@ -54,7 +55,6 @@ from nanotron_recover.watchdog import arm_exit_deadline
 from nanotron_recover.world import init_replica_torch_world
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
-HANGS_DIR = "hangs"  # in the run dir: the stacks of a rank that found itself stuck (one file per hang)
 REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
 
 
@@ -181,21 +181,12 @@ class ResilientDataParallel(DataParallelStrategy):
         itself stuck also leaves its threads' stacks in ``hangs/`` of the run dir (named in the event)."""
         stacks = record.pop("stacks", None)
         if stacks is not None and self.run_dir is not None:
-            path = self.run_dir / HANGS_DIR / f"rank-{record['by_rank']}-step-{record.get('step', 0)}.txt"
-            path.parent.mkdir(exist_ok=True)
-            path.with_suffix(".tmp").write_text(stacks)
-            os.replace(path.with_suffix(".tmp"), path)  # whole or absent: a replica-mate's kill may come any time
+            path = run_folder.write_hang_stacks(self.run_dir, record["by_rank"], record.get("step", 0), stacks)
             record["stacks_file"] = str(path)
-        line = json.dumps(record, default=str)
-        sys.stderr.write(f"[nanotron-recover] {line}\n" + (stacks or ""))
+        sys.stderr.write(f"[nanotron-recover] {json.dumps(record, default=str)}\n" + (stacks or ""))
         sys.stderr.flush()
-        if self.run_dir is None:
-            return
-        fd = os.open(self.run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
+        if self.run_dir is not None:
+            run_folder.append_metrics_record(self.run_dir, record)
 
     def progress(self, step: int, phase: str) -> None:
         self.ft.progress.busy(phase, step)

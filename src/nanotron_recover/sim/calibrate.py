@@ -104,7 +104,7 @@ def from_run_dirs(dirs: Sequence[str | Path], devices: int | None = None) -> Cal
     """Calibrate from run folders of ``nanotron-recover train`` (through the project's metrics reader)."""
     import yaml
 
-    from nanotron_recover.runs import read_kills, read_metrics
+    from nanotron_recover.run_folder import read_kills, read_metrics
 
     cal = Calibration()
     points: list[tuple[int, int, float]] = []

@@ -1,4 +1,4 @@
-"""Reading a run back from what it wrote: metrics.jsonl (one reader, torn lines skipped), the injector's markers,
+"""The run folder read back: metrics.jsonl (one reader, torn lines skipped), the injector's records,
 the resume step, and the Slurm outcome helper built on them. In-process, no training."""
 
 from __future__ import annotations
@@ -12,8 +12,16 @@ import pytest
 
 from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.inject import FailureInjector, FailureSpec, marker_name
-from nanotron_recover.metrics import MetricsLogger, read_metrics_jsonl
-from nanotron_recover.runs import read_kills, read_metrics, resumed_from
+from nanotron_recover.metrics import MetricsLogger
+from nanotron_recover.run_folder import (
+    has_provoked_hang,
+    read_kills,
+    read_metrics,
+    read_metrics_jsonl,
+    record_external_fault,
+    record_fired_fault,
+    resumed_from,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,25 +52,36 @@ def test_a_new_logging_process_does_not_append_to_a_torn_line(tmp_path: Path) ->
     assert [(r["step"], r["loss"]) for r in read_metrics_jsonl(tmp_path)] == [(1, 2.0), (2, 1.5)]
 
 
-def test_read_kills_parses_the_injector_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_kills_reads_the_injectors_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kills = []
-    monkeypatch.setattr("os.kill", lambda pid, sig: kills.append(sig))  # the marker is written before the kill
+    monkeypatch.setattr("os.kill", lambda pid, sig: kills.append(sig))  # the record is written before the kill
     monkeypatch.setattr("time.sleep", lambda s: None)
-    FailureInjector([{"step": 3, "replica": 1, "rank": 0, "phase": "backward"}], 1, 0, fired_dir=tmp_path / "injected").maybe_fail(3, "backward")
-    FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1, fired_dir=tmp_path / "injected").maybe_fail(2, "reduce")
+    FailureInjector([{"step": 3, "replica": 1, "rank": 0, "phase": "backward"}], 1, 0, run_dir=tmp_path).maybe_fail(3, "backward")
+    FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1, run_dir=tmp_path).maybe_fail(2, "reduce")
     assert len(kills) == 2
-    stop = FailureSpec.from_dict({"step": 5, "replica": 2, "rank": 1, "phase": "forward", "signal": "stop"})
+    assert not has_provoked_hang(tmp_path)  # kills end a rank: no hang is expected
     startup = FailureSpec.from_dict({"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": "after_mpi_init",
                                      "signal": "hang"})
-    (tmp_path / "injected" / marker_name(stop)).write_text("1e12\n")
-    (tmp_path / "injected" / f"{marker_name(startup)}-x").write_text("2e12\n")  # a later field: ignored
-    (tmp_path / "injected" / "notes.txt").write_text("not a marker")
+    record_fired_fault(tmp_path, marker_name(startup), {"step": 0, "replica": 1, "rank": 0, "phase": "startup",
+                                                         "at": "after_mpi_init", "signal": "hang"})
+    record_external_fault(tmp_path, "stop-4")
+    (tmp_path / "injected" / "notes.txt").write_text("not a record")
     found = read_kills(tmp_path)
     assert [(k["step"], k["replica"], k["rank"], k["phase"], k["at"], k["signal"]) for k in found] == [
-        (3, 1, 0, "backward", None, "kill"), (2, 0, 1, "reduce", None, "kill"), (5, 2, 1, "forward", None, "stop"),
-        (0, 1, 0, "startup", "after_mpi_init", "hang")]
+        (3, 1, 0, "backward", None, "kill"), (2, 0, 1, "reduce", None, "kill"),
+        (0, 1, 0, "startup", "after_mpi_init", "hang")]  # the external marker is not a scheduled fault
     assert all(isinstance(k["time"], float) for k in found) and found[0]["time"] <= found[1]["time"]
+    assert has_provoked_hang(tmp_path)
     assert read_kills(tmp_path / "elsewhere") == []
+
+
+def test_a_fired_fault_does_not_fire_again_in_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.kill", lambda pid, sig: None)
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    schedule = [{"step": 3, "replica": 0, "rank": 0, "phase": "forward"}]
+    FailureInjector(schedule, 0, 0, run_dir=tmp_path).maybe_fail(3, "forward")
+    assert not FailureInjector(schedule, 0, 0, run_dir=tmp_path).will_fail(3, "forward")  # the relaunch's
+    assert FailureInjector(schedule, 0, 0, run_dir=tmp_path / "other").will_fail(3, "forward")
 
 
 def test_resumed_from_is_one_less_than_the_first_logged_step() -> None:

@@ -1,0 +1,312 @@
+"""The run folder: its layout, and every reader and writer of it.
+
+One run folder (``--run-dir``) holds everything a run leaves behind, over all the launches of that run::
+
+    metrics.jsonl        one JSON object per step and per event (any rank may append an event line)
+    run_id.txt           the run's id, made by its first launch (node-local snapshots and wandb are keyed by it)
+    wandb_logged_step    the last step the wandb copy holds for sure
+    exits/rank-<r>.json  how each rank ended (``code``, ``reason``); a SIGKILLed rank leaves none
+    injected/<name>      one JSON record per fired fault of the schedule, and a marker per fault sent from outside
+    hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
+    checkpoints/         nanotron checkpoints and ``latest.txt`` (the path is configurable)
+
+Nothing is ever half written: records are written to a temporary file and renamed into place, and lines are
+appended with one ``write`` on an ``O_APPEND`` descriptor. Standard library only: the start-up guard and the fault
+injector use it before ``MPI_Init``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+
+METRICS_FILE = "metrics.jsonl"
+RUN_ID_FILE = "run_id.txt"
+WANDB_LOGGED_FILE = "wandb_logged_step"
+EXITS_DIR = "exits"
+INJECTED_DIR = "injected"
+HANGS_DIR = "hangs"
+EXTERNAL_PREFIX = "external-"  # a marker of a fault sent from outside the run (a campaign, a test), not a schedule
+HANG_SIGNALS = ("stop", "hang")  # faults that only the hang detector can end
+
+_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def write_atomically(path: Path, text: str, durable: bool = False) -> None:
+    """``path`` holds all of ``text`` or what it held before, never a torn file (a temporary file, then a rename).
+    ``durable``: fsync the file and its folder too, for what must survive a power loss (``latest.txt``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomically(path: Path, record: dict[str, Any]) -> None:
+    write_atomically(path, json.dumps(record, default=str))
+
+
+def append_line(path: Path, line: str) -> None:
+    """One ``write`` of one line on an ``O_APPEND`` descriptor: never interleaves with another writer's lines."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ run id
+def run_id(run_dir: Path) -> str | None:
+    """The id that the run dir's first launch gave the run (None before it, or if the file does not hold hex
+    digits: the id becomes a path component)."""
+    try:
+        found = (Path(run_dir) / RUN_ID_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return found if _ID.fullmatch(found) else None
+
+
+def ensure_run_id(run_dir: Path) -> str:
+    """This run's id, created at its first launch. Why not the run dir's path: a new run in a run dir of the same
+    path (the old one deleted, or a test bed whose temporary folders repeat) would take the old run's snapshots
+    that are still in ``/dev/shm``. Every rank may call it at once: the id is written to a temporary file and
+    hard-linked into place, so one wins and the others read the complete file."""
+    run_dir = Path(run_dir)
+    found = run_id(run_dir)
+    if found is not None:
+        return found
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{RUN_ID_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp.write_text(secrets.token_hex(8) + "\n")
+    try:
+        os.link(tmp, run_dir / RUN_ID_FILE)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    found = run_id(run_dir)
+    if found is None:
+        raise ValueError(f"{run_dir / RUN_ID_FILE} does not hold a run id (hex digits): delete it to start a new run")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def metrics_path(run_dir: Path) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def append_metrics_record(run_dir: Path, record: dict[str, Any]) -> None:
+    """A record from a rank that is not the logging rank (a hang event): one appended line."""
+    append_line(metrics_path(run_dir), json.dumps(record, default=str))
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` (a run folder or the file itself), in file order; ``[]`` if none.
+
+    A line cut short by a SIGKILL of the logging process (the last line, or a line the next logging process
+    appended after) does not parse and is skipped, as is anything that is not a JSON object.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per-step records (deduplicated by step, last wins: a relaunch replays steps) and events."""
+    steps: dict[int, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
+    for record in read_metrics_jsonl(run_dir):
+        if "event" in record:
+            events.append(record)
+        elif "step" in record:
+            steps[int(record["step"])] = record
+    return [steps[k] for k in sorted(steps)], events
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The highest ``step`` of a per-step record (0 if none)."""
+    steps = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    return max(steps, default=0)
+
+
+def resumed_from(steps: Sequence[dict[str, Any]]) -> int:
+    """The checkpoint step a job resumed from, read from the step records it logged (oldest first): one less than
+    its first step (0 for a job that started fresh or logged none)."""
+    return int(steps[0]["step"]) - 1 if steps else 0
+
+
+def read_logged_step(run_dir: Path) -> int | None:
+    """The last step a finished wandb process of this run logged, or ``None``."""
+    try:
+        text = (Path(run_dir) / WANDB_LOGGED_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def record_logged_step(run_dir: Path, step: int) -> None:
+    write_atomically(Path(run_dir) / WANDB_LOGGED_FILE, f"{step}\n")
+
+
+# ------------------------------------------------------------------------------------------------ exits
+def exit_record_path(run_dir: Path, rank: int | str) -> Path:
+    return Path(run_dir) / EXITS_DIR / f"rank-{rank}.json"
+
+
+def record_exit(run_dir: Path, rank: int, code: int, reason: str, **extra: Any) -> None:
+    """How a rank ended (mpirun's own exit code says little under ULFM); empty ``extra`` values are left out."""
+    record = {"rank": rank, "code": code, "reason": reason, **{k: v for k, v in extra.items() if v}}
+    write_json_atomically(exit_record_path(run_dir, rank), record)
+
+
+def read_exits(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """How each rank ended: ``{world rank: {"code", "reason", ...}}``; a SIGKILLed rank leaves none."""
+    out = {}
+    for path in (Path(run_dir) / EXITS_DIR).glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except ValueError:  # not ours: no record
+            continue
+        out[int(record["rank"])] = record
+    return out
+
+
+def ranks_wrote_since(run_dir: Path, since: float) -> bool:
+    """Did a rank of the launch that began at ``since`` get far enough to write a step record or an exit record?"""
+    paths = [metrics_path(run_dir), *(Path(run_dir) / EXITS_DIR).glob("rank-*.json")]
+    return any(path.exists() and path.stat().st_mtime >= since for path in paths)
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def fault_marker_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / INJECTED_DIR / name
+
+
+def record_fired_fault(run_dir: Path, name: str, fault: dict[str, Any]) -> None:
+    """The injector's record of a fault it is about to fire (its presence makes the fault fire once per run):
+    ``fault`` holds ``step, replica, rank, phase, at, signal``; the time is added. Written durably, since the
+    process signals itself right after."""
+    write_atomically(fault_marker_path(run_dir, name), json.dumps({**fault, "time": time.time()}), durable=True)
+
+
+def record_external_fault(run_dir: Path, what: str) -> None:
+    """Leave ``injected/external-<what>`` before a signal is sent to a run from outside, so that whoever reads the
+    run later knows its hang events were provoked (a frozen rank, an orphaning kill of mpirun)."""
+    write_atomically(fault_marker_path(run_dir, f"{EXTERNAL_PREFIX}{what}"), json.dumps({"external": what,
+                                                                                        "time": time.time()}))
+
+
+def _fault_records(run_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    folder = Path(run_dir) / INJECTED_DIR
+    out = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            out.append((path.name, record))
+    return out
+
+
+def read_kills(run_dir: Path) -> list[dict[str, Any]]:
+    """The scheduled faults that fired in ``run_dir``, oldest first: ``{"step", "replica", "rank", "phase", "at",
+    "signal", "time"}`` (``at``: the start-up point of a ``startup`` fault, else ``None``; ``signal``: ``kill``,
+    ``stop`` or ``hang``). Markers of faults sent from outside are not among them."""
+    kills = [r for name, r in _fault_records(run_dir) if not name.startswith(EXTERNAL_PREFIX) and "step" in r]
+    return sorted(kills, key=lambda k: (k.get("time") is None, k.get("time") or 0.0, k["step"]))
+
+
+def has_provoked_hang(run_dir: Path) -> bool:
+    """Whether a fault of this run froze or hung a rank on purpose (a scheduled stop/hang, or anything sent from
+    outside), so its hang events are expected rather than false alarms."""
+    return any(name.startswith(EXTERNAL_PREFIX) or r.get("signal") in HANG_SIGNALS
+               for name, r in _fault_records(run_dir))
+
+
+# ------------------------------------------------------------------------------------------------ hangs
+def write_hang_stacks(run_dir: Path, rank: int, step: int, stacks: str) -> Path:
+    """The stacks of a rank that found itself stuck, whole or absent (a replica-mate's kill may come any time)."""
+    path = Path(run_dir) / HANGS_DIR / f"rank-{rank}-step-{step}.txt"
+    write_atomically(path, stacks)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def checkpoints_root(run_dir: Path, checkpoints_path: str = "checkpoints") -> Path:
+    """Where the checkpoints are: a relative ``checkpoints_path`` lives in the run dir."""
+    root = Path(checkpoints_path)
+    return root if root.is_absolute() else Path(run_dir) / root
+
+
+def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints") -> int | None:
+    """The step that ``latest.txt`` names, or None."""
+    latest = checkpoints_root(run_dir, checkpoints_path) / "latest.txt"
+    if not latest.is_file():
+        return None
+    text = latest.read_text(encoding="utf-8").strip()
+    return int(text) if text.isdigit() else None
+
+
+# ------------------------------------------------------------------------------------------------ outcome
+OUTCOME_EXIT_CODES = {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT, "aborted": EXIT_ABORTED, "restart": EXIT_RESTART}
+
+
+def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
+                checkpoints_path: str = "checkpoints") -> tuple[str, str]:
+    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput" | "aborted", detail)``.
+
+    ``done``: the last step (``train_steps``) was logged or checkpointed. ``badinput``: mpirun returned 2 (the
+    trainer rejected its input; relaunching cannot help). ``aborted``: a rank's exit record says it aborted the
+    job on a bug (exit 1: the same error would come back). Else ``restart``: the trainer stopped below
+    ``min_replicas`` (rc 3), a start-up fault or an unresolvable hang ended the job (rc 3), or the job was torn
+    down from outside with mpirun returning 0: a lost node's daemon ends every rank on this Open MPI, and those
+    ranks leave no exit record (the detail counts the records).
+    """
+    last = last_logged_step(run_dir)
+    ckpt = latest_checkpoint_step(run_dir, checkpoints_path)
+    exits = read_exits(run_dir)
+    codes = sorted({int(e.get("code", -1)) for e in exits.values()})
+    detail = (f"last logged step {last}/{train_steps}, mpirun rc {mpirun_rc}, latest checkpoint {ckpt}, "
+              f"exit records {len(exits)} (codes {codes})")
+    if last >= train_steps or (ckpt is not None and ckpt >= train_steps):
+        return "done", detail
+    if mpirun_rc == EXIT_BAD_INPUT or EXIT_BAD_INPUT in codes:
+        return "badinput", detail
+    if EXIT_ABORTED in codes:
+        return "aborted", detail
+    return "restart", detail

@@ -35,7 +35,7 @@ rank = MPI.COMM_WORLD.Get_rank()
 os.environ["NANOTRON_RECOVER_NODE_NAME"] = f"n{rank}"
 import torch
 from nanotron_recover.ft import FTWorld
-from nanotron_recover.recovery.optim_state import ensure_adam_state
+from nanotron_recover.training_state import ensure_adam_state
 if module_file:
     spec = importlib.util.spec_from_file_location("local_snapshot_under_test", module_file)
     snap = importlib.util.module_from_spec(spec); sys.modules[spec.name] = snap; spec.loader.exec_module(snap)

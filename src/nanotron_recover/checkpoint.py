@@ -27,7 +27,7 @@ from nanotron_recover.run_folder import fsync_dir, write_atomically
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 
 if TYPE_CHECKING:
-    from nanotron_recover.strategy import TrainingState
+    from nanotron_recover.training_state import TrainingState
 
 LATEST = "latest.txt"
 STATE_FILE = "trainer_state.json"

@@ -30,14 +30,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from nanotron_recover import run_folder
+from nanotron_recover.phases import FAULT_PHASES
 
-# "repair": the process dies inside the survivors' repair (after Shrink): a failure during recovery.
-# "forming": any rank of the world as a replica is formed from recycled ranks (before its world Split; a pool rank
-# by its old name); "rendezvous": a member of that replica, before its torch world's rendezvous;
-# "formation": such a member with its model built, before the formation is agreed and its state arrives;
-# "transfer": a rank of an active replica right before the state transfer to a new replica or spare (the donor's)
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "dataload", "repair", "startup", "forming",
-          "rendezvous", "formation", "transfer")
+PHASES = tuple(p.value for p in FAULT_PHASES)  # see nanotron_recover.phases for what each means
 SIGNALS = ("kill", "stop", "hang")
 # Where a ``startup`` fault lands, in start-up order.
 STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")

@@ -11,8 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
-from nanotron_recover.recovery.buckets import local_tensor
-from nanotron_recover.recovery.optim_state import torch_optimizer
+from nanotron_recover.training_state import local_tensor
+from nanotron_recover.training_state import torch_optimizer
 
 ROLES = ("params", "masters", "grads", "snapshots", "optimizer")
 

@@ -24,14 +24,8 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.nanotron_compat.fp32_accumulator import has_low_precision_params
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets
-from nanotron_recover.strategy import (
-    AttachedModel,
-    CheckpointWriter,
-    CommittedStep,
-    DataParallelStrategy,
-    StepServices,
-    TrainingState,
-)
+from nanotron_recover.strategy import AttachedModel, CheckpointWriter, CommittedStep, DataParallelStrategy, StepServices
+from nanotron_recover.training_state import TrainingState
 from nanotron_recover.workload.planner import plan_step
 
 

@@ -4,7 +4,8 @@
 crosses replicas: the stock nanotron path (:mod:`nanotron_recover.stock`), ReCoVer's resilient path
 (:mod:`nanotron_recover.recovery.resilient`) and its HSDP variant (:mod:`nanotron_recover.hsdp.strategy`).
 A strategy never sees the trainer: it gets narrow collaborators (:class:`StepServices`: a compute callable, a
-fault hook, a metrics sink) and reads training state through :class:`TrainingState`, which the trainer satisfies.
+fault hook, a metrics sink) and reads training state through
+:class:`~nanotron_recover.training_state.TrainingState`, which the trainer satisfies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from nanotron_recover.nanotron_compat.clip import clip_grad_norm
 from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
+from nanotron_recover.training_state import TrainingState, fp32_accumulator
 
 if TYPE_CHECKING:
     from nanotron_recover.checkpoint import CheckpointLayout
@@ -78,19 +80,6 @@ class StepServices:
     # recycling: drop the model of the replica this rank left / build its new coordinate's over a parallel context
     release_replica: Callable[[], None] = lambda: None
     rebuild_replica: Callable[[Any], None] = lambda parallel_context: None
-
-
-class TrainingState(Protocol):
-    """What a strategy or a checkpoint layout reads of the training state (the trainer provides it)."""
-
-    config: Any
-    device: torch.device
-    M: int
-    parallel_context: Any
-    named_params: list[tuple[str, torch.nn.Parameter]]
-    unwrapped_model: torch.nn.Module
-    optimizer: Any
-    lr_scheduler: Any
 
 
 @dataclass
@@ -180,8 +169,3 @@ class DataParallelStrategy(ABC):
     def sync_tied_gradients(self, state: TrainingState) -> None:
         """SUM the gradients of parameters tied across the replica's ranks (nanotron's tied-weight groups)."""
         sync_tied_gradients(state.unwrapped_model, self.parallel_context, fp32_accumulator(state))
-
-
-def fp32_accumulator(state: TrainingState) -> Any:
-    """The optimizer's fp32 gradient accumulator (mixed precision: its buffers are the gradients), else None."""
-    return getattr(state.optimizer, "gradient_accumulator", None)

@@ -28,7 +28,6 @@ from nanotron_recover.checkpoint import CheckpointManager
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
-from nanotron_recover.ft.hang_policy import METRICS_IO
 from nanotron_recover.inject import FailureInjector
 from nanotron_recover.run_folder import INJECTED_DIR
 from nanotron_recover.memory import training_state_bytes
@@ -36,6 +35,7 @@ from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
 from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
+from nanotron_recover.phases import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RecoverTrainer:
             config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
         )
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
-        self.metrics.slow_io = lambda: self.dp.slow_io(METRICS_IO)  # a new logging rank starts wandb mid-step
+        self.metrics.slow_io = lambda: self.dp.slow_io(Phase.METRICS_IO)  # a new logging rank starts wandb mid-step
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
@@ -168,21 +168,21 @@ class RecoverTrainer:
         local_params = [p for p in self.unwrapped_model.parameters() if p.requires_grad]
         if not local_params:
             return
-        self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at("forward"))
+        self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at(Phase.FORWARD))
         if isinstance(local_params[0], DTensor):
             # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
             # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
             middle = local_params[len(local_params) // 2]
-            middle.register_post_accumulate_grad_hook(lambda p: self._at("backward"))
+            middle.register_post_accumulate_grad_hook(lambda p: self._at(Phase.BACKWARD))
             return
-        local_params[0].register_hook(lambda g: self._at("backward") or g)
+        local_params[0].register_hook(lambda g: self._at(Phase.BACKWARD) or g)
 
     # ----------------------------------------------------------------------------------------------- compute
     def compute(self, step: int, indices: Sequence[int], loss_divisor: int) -> LocalWork:
         """Forward/backward the given global microbatches of ``step``; gradients accumulate in place."""
         if len(indices) == 0:
             return LocalWork()
-        self._at("dataload")
+        self._at(Phase.DATALOAD)
         unwrapped, pc = self.unwrapped_model, self.parallel_context
         batch = [
             place_microbatch(self.dp.local_rows(self.dataset.microbatch(step, i)), unwrapped, pc, self.device)
@@ -217,7 +217,7 @@ class RecoverTrainer:
             if step == first_step:
                 self._log_training_state(step)  # after the first optimizer step: Adam's state exists
             if self.checkpoints.due(step):
-                self._at("checkpoint")
+                self._at(Phase.CHECKPOINT)
                 self.save_checkpoint(step)
         self.dp.finish(self.step, self.services)
         self.metrics.close()
@@ -241,7 +241,7 @@ class RecoverTrainer:
     def train_step(self, step: int) -> CommittedStep:
         self._current_step = step
         result = self.dp.forward_backward_reduce(step, self.services)  # plan -> compute -> reduce (with recovery)
-        self._at("optimizer")
+        self._at(Phase.OPTIMIZER)
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step
             self.dp.sync_tied_gradients(self)
             self.grad_norm = self._clip()
@@ -254,7 +254,7 @@ class RecoverTrainer:
 
     def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
         """Save the committed state of ``step``; the strategy decides who writes and publishes."""
-        self.dp.progress(step, "checkpoint")  # a save may take up to startup_timeout_s (the hang monitor's allowance)
+        self.dp.progress(step, Phase.CHECKPOINT)  # a save may take up to startup_timeout_s (the hang monitor's allowance)
         def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
             self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra)
 

@@ -7,13 +7,12 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nanotron_recover.phases import Phase
 from nanotron_recover.ft.hang_policy import (
     BUSY,
     FIRST_STEP_TIMEOUT_S,
     HANG_FLOOR_S,
     HANG_STEP_FACTOR,
-    METRICS_IO,
-    REPLICA_BUILD,
     WAITING,
     HangPolicy,
     MainThreadProgress,
@@ -66,7 +65,7 @@ def test_a_snapshot_and_a_recycled_replica_build_get_the_io_allowance() -> None:
     """A snapshot write waits for the previous background write; a recycled replica's rendezvous and model build is
     the start-up's work: neither is held to the step timeout."""
     policy = HangPolicy(fixed_timeout_s=10, io_allowance_s=300)
-    assert policy.busy_limit_s("snapshot") == 300 and policy.busy_limit_s(REPLICA_BUILD) == 300
+    assert policy.busy_limit_s("snapshot") == 300 and policy.busy_limit_s(Phase.REPLICA_BUILD) == 300
     assert policy.busy_limit_s("replica-formation") == 10  # the formation's cheap bookkeeping is not I/O
 
 
@@ -100,12 +99,12 @@ def test_slow_io_is_judged_by_the_io_allowance_and_returns_to_the_phase_it_inter
     progress, policy = MainThreadProgress(), HangPolicy(fixed_timeout_s=8, io_allowance_s=600)
     progress.busy("repair", 5)
     try:
-        with progress.slow_io(METRICS_IO):
-            assert (progress.where, progress.step, progress.state) == (METRICS_IO, 5, BUSY)
+        with progress.slow_io(Phase.METRICS_IO):
+            assert (progress.where, progress.step, progress.state) == (Phase.METRICS_IO, 5, BUSY)
             assert policy.busy_limit_s(progress.where) == 600
             raise OSError("wandb failed")
     except OSError:
         pass
     assert (progress.where, progress.step, progress.state) == ("repair", 5, BUSY)
     assert policy.busy_limit_s(progress.where) == 8
-    assert policy.is_slow_io("checkpoint") and policy.is_slow_io(METRICS_IO) and not policy.is_slow_io("optimizer")
+    assert policy.is_slow_io("checkpoint") and policy.is_slow_io(Phase.METRICS_IO) and not policy.is_slow_io("optimizer")

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from nanotron_recover.recovery.local_snapshot import SnapshotWriter, _group_settings, private_tree, snapshot_folder
-from nanotron_recover.recovery.optim_state import ensure_adam_state, state_tensors
+from nanotron_recover.training_state import ensure_adam_state, state_tensors
 
 
 @contextmanager

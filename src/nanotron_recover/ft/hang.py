@@ -59,6 +59,7 @@ from .hang_policy import (
     MainThreadProgress,
     peers_of,
 )
+from ..phases import HEARTBEAT_ORDER, Phase
 from .layout import ReplicaLayout
 from .watcher import cancel_quietly
 
@@ -73,23 +74,21 @@ _HEARTBEAT, _KILL, _BYE = 1, 2, 3
 class _Peer:
     last_heard: float
     last_step: int = 0  # where the peer's main thread was at its last heartbeat
-    last_where: str = "start-up"
+    last_where: str = Phase.STARTING.value
     bye: bool = False
     reported: bool = False
 
 
-# what a heartbeat says about the sender's main thread (an index into this table)
-WHERE_NAMES = ("start-up", "dataload", "forward", "backward", "reduce", "optimizer", "checkpoint", "repair",
-               "spare-activation", "waiting", "other", "snapshot", "local-snapshot-resume", "replica-formation",
-               "formation", "transfer", "rendezvous", "forming", "metrics-io", "replica-build")
+_HEARTBEAT_CODE = {phase.value: i for i, phase in enumerate(HEARTBEAT_ORDER)}
 
 
 def _where_code(where: str) -> int:
-    if where in WHERE_NAMES:
-        return WHERE_NAMES.index(where)
+    """What a heartbeat says about the sender's main thread: an index into :data:`HEARTBEAT_ORDER`."""
+    if where in _HEARTBEAT_CODE:
+        return _HEARTBEAT_CODE[where]
     if "(" in where or where in ("agree", "barrier"):  # a cross-replica MPI operation, e.g. allreduce(coord)
-        return WHERE_NAMES.index("waiting")
-    return WHERE_NAMES.index("other")
+        return _HEARTBEAT_CODE[Phase.WAITING]
+    return _HEARTBEAT_CODE[Phase.OTHER]
 
 
 def thread_stacks() -> str:
@@ -220,7 +219,7 @@ class HangMonitor:
         peer = self._peers.get(sender)
         if kind == _HEARTBEAT and peer is not None:
             peer.last_heard, peer.last_step = time.monotonic(), a
-            peer.last_where = WHERE_NAMES[b] if 0 <= b < len(WHERE_NAMES) else "?"
+            peer.last_where = HEARTBEAT_ORDER[b].value if 0 <= b < len(HEARTBEAT_ORDER) else "?"
         elif kind == _BYE and peer is not None:
             peer.bye = True
         elif kind == _KILL and self.hosts[a] == self.hosts[self.rank] and a != self.rank:

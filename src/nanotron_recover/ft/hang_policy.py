@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from ..phases import SLOW_IO_PHASES, Phase
 from .layout import ReplicaAssignment, ReplicaLayout
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -20,11 +21,6 @@ HANG_STEP_FACTOR = 5.0
 FIRST_STEP_TIMEOUT_S = 60.0
 
 BUSY, WAITING = "busy", "waiting"
-METRICS_IO = "metrics-io"  # starting wandb (a new logging rank, mid-run): seconds, judged like a checkpoint save
-REPLICA_BUILD = "replica-build"  # a recycled replica's torch rendezvous and model build (at start-up: its allowance)
-# phases judged by the I/O allowance besides a checkpoint save: a node-local snapshot (its write waits for the
-# previous background write) takes as long as the store is slow, whatever the step time
-SLOW_IO_PHASES = frozenset({METRICS_IO, REPLICA_BUILD, "snapshot"})
 
 
 class MainThreadProgress:
@@ -36,7 +32,7 @@ class MainThreadProgress:
 
     def __init__(self) -> None:
         self.state = BUSY
-        self.where = "start-up"
+        self.where: str = Phase.STARTING
         self.step = 0
         self.since = time.monotonic()
         self._busy_where = self.where
@@ -93,7 +89,7 @@ class HangPolicy:
     @staticmethod
     def is_slow_io(where: str) -> bool:
         """Phases that may take up to the I/O allowance: a checkpoint save, starting wandb."""
-        return where.startswith("checkpoint") or where in SLOW_IO_PHASES
+        return where.startswith(Phase.CHECKPOINT.value) or where in SLOW_IO_PHASES
 
     @property
     def stall_limit_s(self) -> float:

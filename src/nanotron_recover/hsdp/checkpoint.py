@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanotron_recover.recovery.buckets import local_tensor
-from nanotron_recover.recovery.optim_state import ensure_adam_state
+from nanotron_recover.training_state import local_tensor
+from nanotron_recover.training_state import ensure_adam_state
 
 if TYPE_CHECKING:
-    from nanotron_recover.strategy import TrainingState
+    from nanotron_recover.training_state import TrainingState
 
 FORMAT = "nanotron-recover-hsdp"
 VERSION = 1

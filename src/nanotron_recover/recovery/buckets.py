@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from nanotron_recover.devices import needs_host_staging
+from nanotron_recover.training_state import local_tensor
 
 _FP32_BYTES = 4
 
@@ -327,14 +328,6 @@ def _trainable_params(
         if t.device != device and not (device.index is None and t.device.type == device.type):
             raise ValueError(f"param {name} is on {t.device}, buffer on {device}")
     return params
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a ``DTensor`` (a view, no copy), else ``t`` itself."""
-    if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
-    return t
 
 
 def _as_grad_of(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from typing import Any, BinaryIO, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from nanotron_recover.recovery.buckets import local_tensor
+from nanotron_recover.training_state import local_tensor
 from nanotron_recover.run_folder import ensure_run_id
 
 MAGIC = b"NRSNAP02"
@@ -564,7 +564,7 @@ def transfer_plan(offers: Sequence[Iterable[tuple]], coord_of: Sequence[int],
 
 def _group_settings(optimizer: Any) -> list[dict]:
     """The optimizer's per-group settings (lr, betas, ...), without the parameters."""
-    from nanotron_recover.recovery.optim_state import torch_optimizer
+    from nanotron_recover.training_state import torch_optimizer
 
     return [{k: v for k, v in group.items() if k != "params"} for group in torch_optimizer(optimizer).param_groups]
 
@@ -667,7 +667,7 @@ class LocalSnapshots:
         ``local_snapshot`` event (its bytes per rank). Never raises for storage trouble: snapshots turn off."""
         if not self.writing or step % self.interval:
             return
-        from nanotron_recover.recovery.optim_state import state_tensors
+        from nanotron_recover.training_state import state_tensors
 
         first = self._writer is None
         if first:
@@ -716,7 +716,7 @@ class LocalSnapshots:
         there is none. A damaged file is deleted and the agreement runs again without it."""
         if not self.enabled:
             return None
-        from nanotron_recover.recovery.optim_state import ensure_adam_state, state_tensors
+        from nanotron_recover.training_state import ensure_adam_state, state_tensors
 
         ensure_adam_state(state.optimizer)
         tensors = list(state_tensors(state))
@@ -809,7 +809,7 @@ class LocalSnapshots:
 
     @staticmethod
     def _apply_extras(state: Any, extras: dict) -> None:
-        from nanotron_recover.recovery.optim_state import torch_optimizer
+        from nanotron_recover.training_state import torch_optimizer
 
         state.lr_scheduler.load_state_dict(extras["lr_scheduler"])
         # the scheduler sets each group's lr only when it steps: the next step must use the saved one

@@ -32,27 +32,21 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.exit_codes import EXIT_RESTART
 from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent
-from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S, REPLICA_BUILD
+from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.nanotron_compat.process_groups import forget_process_groups
-from nanotron_recover.recovery.buckets import GradBuckets, local_tensor
+from nanotron_recover.recovery.buckets import GradBuckets
+from nanotron_recover.training_state import local_tensor
 from nanotron_recover.recovery.local_snapshot import LocalSnapshots
-from nanotron_recover.recovery.optim_state import ensure_adam_state, state_tensors
-from nanotron_recover.strategy import (
-    AttachedModel,
-    CheckpointWriter,
-    CommittedStep,
-    DataParallelStrategy,
-    LocalWork,
-    StepServices,
-    TrainingState,
-    fp32_accumulator,
-)
+from nanotron_recover.training_state import ensure_adam_state, state_tensors
+from nanotron_recover.strategy import AttachedModel, CheckpointWriter, CommittedStep, DataParallelStrategy, LocalWork, StepServices
+from nanotron_recover.training_state import TrainingState, fp32_accumulator
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.recycle import Formation, RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
 from nanotron_recover.watchdog import arm_exit_deadline
 from nanotron_recover.world import init_replica_torch_world
+from nanotron_recover.phases import Phase
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
 REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
@@ -311,7 +305,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.ft.allreduce_sum_(self.buckets.to_host(i), "coord")
                 self.buckets.from_host(i)
                 if i == 0:
-                    services.fault_point(step, "reduce")
+                    services.fault_point(step, Phase.REDUCE)
         self._stats[0] = work.loss_sum if (computing and self._reports_loss()) else 0.0
         self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
         self.ft.allreduce_sum_(self._stats, "world")
@@ -320,7 +314,7 @@ class ResilientDataParallel(DataParallelStrategy):
         """Repair the world (``ReplicaEvicted`` on a rank of a failed replica, unless recycling keeps it in the
         pool), update the roster, log the event. ``since_epoch``: see :meth:`FTWorld.repair`."""
         self.ft.repair_hook = lambda point, attempt: (
-            services.fault_point(step, "repair") if point == "after_shrink" else None
+            services.fault_point(step, Phase.REPAIR) if point == "after_shrink" else None
         )
         event = self.ft.repair(since_epoch)
         self._log_repair(services, step, phase, event)
@@ -431,7 +425,7 @@ class ResilientDataParallel(DataParallelStrategy):
         if self.recycle:
             self._form_replicas(step, state, services)
         donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step, still alive
-        self.progress(step, "spare-activation")
+        self.progress(step, Phase.SPARE_ACTIVATION)
         while self._pending_activation:
             epoch = self.ft.epoch
             try:
@@ -439,7 +433,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.ft.set_active_replicas(self.roster.active)
                 record = None
                 if new and self.computes():  # over the coordinate groups of the active replicas
-                    services.fault_point(step, "transfer")
+                    services.fault_point(step, Phase.TRANSFER)
                     record = self._copy_state_to_new_replicas(state, donor=min(donors), new=new)
                 # each coordinate's broadcast ends on its own: one can complete while another lost its donor, so
                 # every rank agrees that all of them did, or all repair and do the transfer again
@@ -452,7 +446,7 @@ class ResilientDataParallel(DataParallelStrategy):
             except Exception as exc:  # noqa: BLE001 - a fault; or the watcher pooled this rank mid-transfer
                 if not isinstance(exc, FailureDetected) and self.ft.epoch == epoch:
                     raise
-                self._repair(services, step, "spare-activation", epoch)
+                self._repair(services, step, Phase.SPARE_ACTIVATION, epoch)
                 donors -= {r for e in self.ft.events if e.epoch > epoch for r in e.failed_replicas}
                 if not donors:
                     raise BelowMinimumReplicas(
@@ -462,7 +456,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
         if self.snapshots is not None and self.computes():  # an idle spare's state is not the committed one
-            self.progress(step, "snapshot")
+            self.progress(step, Phase.SNAPSHOT)
             try:
                 self.snapshots.after_commit(step, state, epoch=self.ft.epoch, log_event=services.metrics.log_event)
             except OSError as e:  # e.g. /dev/shm full: training goes on, relaunches use the disk checkpoint
@@ -480,7 +474,7 @@ class ResilientDataParallel(DataParallelStrategy):
         model, or all repair. A member lost in the middle breaks the new replica like any other; its survivors go
         back to the pool, and the pool forms again at once."""
         while (formation := self.pool.form(self.ft.assignment.next_replica_id)) is not None:
-            self.progress(step, "replica-formation")
+            self.progress(step, Phase.REPLICA_FORMATION)
             t0 = time.perf_counter()
             slot = self.roster.add_replica(formation.replica)
             epoch = self.ft.epoch
@@ -488,7 +482,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 self._build_formed_replica(step, formation, state, services, epoch)
                 self.ft.agree(True, epoch)
             except FailureDetected:
-                self._repair(services, step, "replica-formation", epoch)
+                self._repair(services, step, Phase.REPLICA_FORMATION, epoch)
                 self._abandon_formation(step, formation, services)
                 continue
             except Exception:  # noqa: BLE001 - a member's rendezvous or model build broke under a co-member's death
@@ -528,7 +522,7 @@ class ResilientDataParallel(DataParallelStrategy):
                               epoch: int) -> None:
         """Every rank: the world learns the new replica's members; a member starts its torch world (rendezvous
         agreed over MPI) and builds its coordinate's model. The caller's Agree then closes the formation."""
-        services.fault_point(step, "forming")
+        services.fault_point(step, Phase.FORMING)
         replica_comm = self.ft.form_replica(formation.replica, formation.ranks)
         self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
         try:
@@ -537,17 +531,17 @@ class ResilientDataParallel(DataParallelStrategy):
             self.ft.agree(True, epoch)
             if replica_comm is None:  # not a member
                 return
-            services.fault_point(step, "rendezvous")
-            with self.slow_io(REPLICA_BUILD):  # like the same build at start-up: the I/O allowance, not a step's
+            services.fault_point(step, Phase.RENDEZVOUS)
+            with self.slow_io(Phase.REPLICA_BUILD):  # like the same build at start-up: the I/O allowance, not a step's
                 init_replica_torch_world(replica_comm, self._timeout_s)
         finally:
             if replica_comm is not None:
                 replica_comm.Free()
-        with self.slow_io(REPLICA_BUILD):
+        with self.slow_io(Phase.REPLICA_BUILD):
             self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
             services.rebuild_replica(self.parallel_context)
         self.zero_grad(state)  # as every rank did after this step's optimizer step
-        services.fault_point(step, "formation")
+        services.fault_point(step, Phase.FORMATION)
 
     def _copy_state_to_new_replicas(self, state: TrainingState, donor: int, new: set[int]) -> dict:
         """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor;
@@ -565,7 +559,7 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)
-        self.progress(0, "local-snapshot-resume")
+        self.progress(0, Phase.LOCAL_SNAPSHOT_RESUME)
         return self.snapshots.resume(state, newer_than)
 
     def finish(self, step: int, services: StepServices) -> None:
@@ -617,7 +611,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.ft.agree(True)
                 return
             except FailureDetected:
-                self._repair(services, step, "checkpoint")
+                self._repair(services, step, Phase.CHECKPOINT)
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
 

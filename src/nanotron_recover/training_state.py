@@ -1,18 +1,44 @@
-"""Adam state that exists before the first optimizer step, so that it can be filled in place.
+"""The training state at the bottom of the house: what every layer reads of it, in one place.
 
-An idle spare never stepped, and a resumed HSDP run loads shards into existing tensors: both need the state
-tensors AdamW would create on its first step. And the one order in which a rank's whole training state is copied
-(spare activation, node-local snapshots). No MPI here: checkpoint readers import this.
+:class:`TrainingState` is what a strategy, a checkpoint layout or a snapshot reads of the trainer's state; the
+helpers below find the parts of nanotron's wrappers (the fp32 gradient accumulator, the torch optimizer inside
+``NamedOptimizer``), this rank's shard of a sharded tensor, the Adam state that must exist before the first step,
+and the one order in which a rank's whole state is copied (spare activation, node-local snapshots). No MPI and
+no project imports: checkpoint readers, the memory census and the recovery layer all use it.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from nanotron_recover.recovery.buckets import local_tensor
-from nanotron_recover.strategy import fp32_accumulator
+
+class TrainingState(Protocol):
+    """What a strategy or a checkpoint layout reads of the training state (the trainer provides it)."""
+
+    config: Any
+    device: torch.device
+    M: int
+    parallel_context: Any
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    unwrapped_model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+
+
+def fp32_accumulator(state: TrainingState) -> Any:
+    """The optimizer's fp32 gradient accumulator (mixed precision: its buffers are the gradients), else None."""
+    return getattr(state.optimizer, "gradient_accumulator", None)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor`` (a view, no copy), else ``t`` itself."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def ensure_adam_state(optimizer) -> None:

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
         print(f"{mb:8.1f} {b.num_buckets:7d} {row['snapshot_ms']:9.3f} {row['restore_ms']:9.3f} "
               f"{row['snap_restore_ms_per_mb']:16.4f} {row['gb_per_s']:7.2f} {t_stage:14.4f}")
         b.close()
-        del b
+        b = None  # the next size's buckets do not stack on these
     return rows
 
 

@@ -28,12 +28,17 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ckpt_restart import FailureEvent, failure_table, inject_entries, plot_runs, run_ckpt_restart  # noqa: E402
 from benchmarks.lib.config import (  # noqa: E402
-    ModelSize, add_size_args, make_config, n_processes, ranks_per_replica, size_from_args,
+    ModelSize,
+    add_size_args,
+    make_config,
+    n_processes,
+    ranks_per_replica,
+    size_from_args,
 )
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import RunSummary, launch, normal_step_times, summarize  # noqa: E402
-from benchmarks.ckpt_restart import FailureEvent, failure_table, inject_entries, plot_runs, run_ckpt_restart  # noqa: E402
 
 
 def run_single(name: str, out_dir: Path, config: dict, steps: int, timeout_s: float) -> RunSummary:

@@ -1,6 +1,6 @@
 """MPI latency on the fake-node test bed, with ranks busy-polling and yielding (``mpi_yield_when_idle``).
 
-The bed (``nanotron_recover.fake_nodes``) runs several Open MPI nodes on one machine. PRRTE sees each node's slots
+The bed (``nanotron_recover.testbed.fake_nodes``) runs several Open MPI nodes on one machine. PRRTE sees each node's slots
 filled, not exceeded, so by default a rank waiting in MPI busy-polls as on a real node; with more ranks than cores
 the waiting ranks then take the CPU from the ones that would answer. Measured: the mean time of an ``Allreduce``
 of 10 KB and of an ULFM ``Agree`` over all ranks, on one node (shared memory, and TCP) and on the bed (TCP between
@@ -22,9 +22,9 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.report import command_line, machine_line  # noqa: E402
-from nanotron_recover.fake_nodes import write_bed  # noqa: E402
 from nanotron_recover.launch import MPIRUN_ARGS_ENV  # noqa: E402
 from nanotron_recover.mpirun import mpirun_command  # noqa: E402
+from nanotron_recover.testbed.fake_nodes import write_bed  # noqa: E402
 
 PROGRAM = """
 import sys, time

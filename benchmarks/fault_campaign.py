@@ -40,8 +40,10 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
-from nanotron_recover.run_folder import record_external_fault  # noqa: E402
-from nanotron_recover.run_folder import read_metrics_jsonl  # noqa: E402
+from nanotron_recover.run_folder import (
+    read_metrics_jsonl,  # noqa: E402
+    record_external_fault,  # noqa: E402
+)
 from nanotron_recover.runs import (  # noqa: E402
     final_checkpoint,
     max_relative_param_diff,
@@ -230,7 +232,7 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
     false_kills = _false_kills(run_dir, trial)
     if outcome != "STALL" and problems:
         outcome = "FAIL"
-    return TrialResult(trial, outcome, problems, len(launches), sum(l.wall_s for l in launches), false_kills,
+    return TrialResult(trial, outcome, problems, len(launches), sum(launch.wall_s for launch in launches), false_kills,
                        max_dloss)
 
 
@@ -313,8 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"fault campaign: {args.trials} trials from seed {seed}; launch bound {args.launch_bound_s:g} s; "
-          f"out {out}", flush=True)
+    print(
+        f"fault campaign: {args.trials} trials from seed {seed}; launch bound {args.launch_bound_s:g} s; out {out}",
+        flush=True,
+    )
     results = []
     references: dict[str, Reference] = {}
     for i in range(args.trials):

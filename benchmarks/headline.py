@@ -43,10 +43,10 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lib.config import add_size_args, size_from_args  # noqa: E402
-from benchmarks.lib.report import command_line  # noqa: E402
 from benchmarks.ckpt_restart import FailureEvent  # noqa: E402
 from benchmarks.compare import add_common_args, run_comparison, setup_line, write_report  # noqa: E402
+from benchmarks.lib.config import add_size_args, size_from_args  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
 
 DEFAULT_SIZE = dict(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=128)
 COMMITTED = Path(__file__).resolve().parent / "results" / "headline.json"

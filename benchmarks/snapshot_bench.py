@@ -29,8 +29,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
-from nanotron_recover.runs import kill_run_processes, run_training, write_config
 from nanotron_recover.run_folder import read_metrics  # noqa: E402
+from nanotron_recover.runs import kill_run_processes, run_training, write_config
 
 
 def kill_and_relaunch(config: dict, run_dir: Path, kill_after: int, timeout_s: float) -> dict:

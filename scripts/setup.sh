@@ -20,7 +20,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 if ! .venv/bin/python -c "import nanotron_recover, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
   echo "[setup] installing nanotron-recover and its dependencies"
-  quiet "${PIP[@]}" -e ".[test]"
+  quiet "${PIP[@]}" -e ".[test,peers]"   # peers: torchft for benchmarks/vs_torchft.py (where its wheel exists)
   .venv/bin/python -c "import nanotron_recover, mpi4py, datatrove, wandb, pytest, pytest_timeout, hypothesis" \
     || { echo "[setup] install failed" >&2; exit 1; }
 fi

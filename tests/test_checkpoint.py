@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from nanotron_recover.checkpoint import LATEST, STATE_FILE, check_resumable, resolve_checkpoint
-from nanotron_recover.run_folder import write_atomically
 from nanotron_recover.config import config_from_dict
+from nanotron_recover.run_folder import write_atomically
 from nanotron_recover.runs import run_training
 
 STEPS, SAVE_AT = 8, 4

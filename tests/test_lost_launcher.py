@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART
-from nanotron_recover.run_folder import record_external_fault
+from nanotron_recover.run_folder import last_logged_step, read_exits, record_external_fault
 from nanotron_recover.runs import mpirun_pid, rank_processes, write_config
-from nanotron_recover.run_folder import last_logged_step, read_exits
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from nanotron_recover.metrics import MetricsLogger, find_wandb_run_files, wandb_replay
-from nanotron_recover.run_folder import read_logged_step
-from nanotron_recover.run_folder import read_metrics_jsonl
+from nanotron_recover.run_folder import read_logged_step, read_metrics_jsonl
 
 
 def test_jsonl_lines_are_flushed_and_only_on_the_logging_rank(tmp_path: Path) -> None:

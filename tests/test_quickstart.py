@@ -14,8 +14,7 @@ import pytest
 import yaml
 
 from nanotron_recover.metrics import find_wandb_run_files
-from nanotron_recover.run_folder import read_logged_step
-from nanotron_recover.run_folder import read_metrics
+from nanotron_recover.run_folder import read_logged_step, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900

@@ -26,10 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from nanotron_recover.runs import run_training
-from nanotron_recover.run_folder import read_kills, resumed_from
-
 from benchmarks.lib.config import n_processes
+from nanotron_recover.run_folder import read_kills, resumed_from
+from nanotron_recover.runs import run_training
 
 
 @dataclass

@@ -38,7 +38,7 @@ from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, run_outcome
 
 def _info(argv: Sequence[str]) -> int:
     from nanotron_recover.config import ConfigError
-    from nanotron_recover.launch import add_override_args, load_effective_config
+    from nanotron_recover.overrides import add_override_args, load_effective_config
 
     parser = argparse.ArgumentParser(prog="recover_job.py info")
     add_override_args(parser)

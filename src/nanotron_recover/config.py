@@ -222,10 +222,14 @@ def validate(config: RecoverConfig) -> None:
     if config.optimizer is not None:
         _check(config.optimizer.zero_stage == 0, "optimizer.zero_stage",
                f"{config.optimizer.zero_stage} is not supported (optimizer states are replicated: use 0)")
-    ft = config.fault_tolerance
-    if ft is None:
-        return
-    n_replicas = par.dp + ft.spare_replicas
+    if config.fault_tolerance is not None:
+        _validate_fault_tolerance(config)
+        _validate_inject(config)
+
+
+def _validate_fault_tolerance(config: RecoverConfig) -> None:
+    """The ``fault_tolerance`` settings, each against its range."""
+    ft, par = config.fault_tolerance, config.parallelism
     _check(ft.spare_replicas >= 0, "fault_tolerance.spare_replicas", f"must be >= 0, got {ft.spare_replicas}")
     _check(1 <= ft.min_replicas <= par.dp, "fault_tolerance.min_replicas",
            f"must be between 1 and parallelism.dp={par.dp}, got {ft.min_replicas}")
@@ -245,6 +249,12 @@ def validate(config: RecoverConfig) -> None:
     if ft.recycle:
         _check(ft.keep_global_batch, "fault_tolerance.recycle",
                "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")
+
+
+def _validate_inject(config: RecoverConfig) -> None:
+    """The fault schedule: every entry names a step, a replica and a rank the run has, and leaves a replica alive."""
+    ft, tok = config.fault_tolerance, config.tokens
+    n_replicas = config.parallelism.dp + ft.spare_replicas
     # a replica formed from recycled ranks gets the next id: faults may be scheduled for it too. Each formation
     # (one that completes or one that a fault breaks) needs a fault before it, so at most len(inject) ids are formed
     fault_ids = n_replicas + len(ft.inject) if ft.recycle else n_replicas

@@ -11,8 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
-from nanotron_recover.training_state import local_tensor
-from nanotron_recover.training_state import torch_optimizer
+from nanotron_recover.training_state import local_tensor, torch_optimizer
 
 ROLES = ("params", "masters", "grads", "snapshots", "optimizer")
 

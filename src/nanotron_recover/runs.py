@@ -7,7 +7,6 @@ when ranks were SIGKILLed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal

@@ -29,13 +29,12 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.inject import FailureInjector
-from nanotron_recover.run_folder import INJECTED_DIR
 from nanotron_recover.memory import training_state_bytes
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
-from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
 from nanotron_recover.phases import Phase
+from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""The fake-node test bed for tests: see :mod:`nanotron_recover.fake_nodes` (also a command a user can run)."""
+"""The fake-node test bed for tests: see :mod:`nanotron_recover.testbed.fake_nodes` (also a command a user can run)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from nanotron_recover.fake_nodes import kill_node, node_pids, write_bed
+from nanotron_recover.testbed.fake_nodes import kill_node, node_pids, write_bed
 
 __all__ = ["fake_nodes_env", "kill_node", "node_pids", "write_bed"]
 

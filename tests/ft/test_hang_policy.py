@@ -7,7 +7,6 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanotron_recover.phases import Phase
 from nanotron_recover.ft.hang_policy import (
     BUSY,
     FIRST_STEP_TIMEOUT_S,
@@ -19,6 +18,7 @@ from nanotron_recover.ft.hang_policy import (
     peers_of,
 )
 from nanotron_recover.ft.layout import ReplicaAssignment, ReplicaLayout
+from nanotron_recover.phases import Phase
 
 
 @given(st.integers(1, 6), st.integers(1, 6))

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, run_training
 from nanotron_recover.run_folder import read_exits, read_kills
+from nanotron_recover.runs import RunResult, run_training
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.runs import run_training
 from nanotron_recover.run_folder import read_exits
+from nanotron_recover.runs import run_training
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import RunResult, run_training
 from nanotron_recover.run_folder import read_exits
+from nanotron_recover.runs import RunResult, run_training
 
 STEPS = 6
 FAIL_STEP = 3

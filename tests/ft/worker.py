@@ -23,7 +23,6 @@ from mpi4py import MPI
 
 from nanotron_recover.ft import FailureDetected, FTWorld, ReplicaEvicted
 from nanotron_recover.inject import FailureInjector
-from nanotron_recover.run_folder import INJECTED_DIR
 
 
 def contribution(replica: int, local: int, step: int, bucket: int, n: int) -> np.ndarray:

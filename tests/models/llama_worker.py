@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 import torch.distributed as torch_dist

@@ -1,4 +1,4 @@
-"""Faults across (fake) nodes: one real ``prted`` per node (``nanotron_recover.fake_nodes``), real SIGKILLs.
+"""Faults across (fake) nodes: one real ``prted`` per node (``nanotron_recover.testbed.fake_nodes``), real SIGKILLs.
 
 1. 2 nodes x 4 ranks, 2 replicas x TP2 x PP2: ranks fill the nodes with whole replicas (checked from the live
    processes); one rank on node 2 is SIGKILLed in backward -> in-step recovery exactly as on one node.
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.fake_nodes import kill_node, node_ranks, write_bed
-from nanotron_recover.runs import run_training, write_config
 from nanotron_recover.run_folder import latest_checkpoint_step, read_exits, read_metrics, run_outcome
+from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.testbed.fake_nodes import kill_node, node_ranks, write_bed
 
 pytestmark = pytest.mark.slow
 

@@ -28,10 +28,10 @@ from typing import Callable
 import pytest
 
 from nanotron_recover.config import config_from_dict
-from nanotron_recover.fake_nodes import kill_node, write_bed
 from nanotron_recover.recovery.local_snapshot import NODE_NAME_ENV, config_hash, scan, snapshot_folder
 from nanotron_recover.run_folder import run_id
 from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.testbed.fake_nodes import kill_node, write_bed
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S + 60)]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.runs import run_training
 from nanotron_recover.run_folder import latest_checkpoint_step, read_metrics
+from nanotron_recover.runs import run_training
 
 pytestmark = pytest.mark.slow
 

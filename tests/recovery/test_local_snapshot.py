@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from nanotron_recover.config import ConfigError, config_from_dict
 from nanotron_recover.preflight import check_local_snapshot_budget
-from nanotron_recover.recovery.local_snapshot import SnapshotWriter, choose_snapshot, parse, scan, transfer_plan, unpack_into
+from nanotron_recover.recovery.local_snapshot import (
+    SnapshotWriter,
+    choose_snapshot,
+    parse,
+    scan,
+    transfer_plan,
+    unpack_into,
+)
 from nanotron_recover.run_folder import ensure_run_id, run_id
 from tests.conftest import make_tiny_config
 

@@ -19,9 +19,8 @@ import pytest
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.local_snapshot import snapshot_folder
-from nanotron_recover.run_folder import run_id
+from nanotron_recover.run_folder import read_metrics, run_id
 from nanotron_recover.runs import kill_run_processes, run_training, write_config
-from nanotron_recover.run_folder import read_metrics
 from tests.conftest import make_tiny_config
 
 STEPS = 10

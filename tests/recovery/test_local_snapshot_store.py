@@ -17,7 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotron_recover.recovery.local_snapshot import MAGIC, LocalSnapshots, SnapshotWriter, StoreRefused, decode_header, encode_header, private_dir, private_tree, remove_stale_runs, scan, verify_file
+from nanotron_recover.recovery.local_snapshot import (
+    MAGIC,
+    LocalSnapshots,
+    SnapshotWriter,
+    StoreRefused,
+    decode_header,
+    encode_header,
+    private_dir,
+    private_tree,
+    remove_stale_runs,
+    scan,
+    verify_file,
+)
 from nanotron_recover.run_folder import ensure_run_id, run_id
 from tests.recovery.snapshot_world import config, mounted_tmpfs, training_state, write_line
 

@@ -27,9 +27,8 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.recovery.local_snapshot import node_name
-from nanotron_recover.run_folder import ensure_run_id
+from nanotron_recover.run_folder import ensure_run_id, read_metrics
 from nanotron_recover.runs import run_training, write_config
-from nanotron_recover.run_folder import read_metrics
 from tests.conftest import make_tiny_config
 from tests.recovery.snapshot_world import mounted_tmpfs
 from tests.recovery.test_local_snapshot_resume import launch_and_kill_the_job

@@ -2,7 +2,8 @@ import json
 import os
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanotron_recover.sim.calibrate import fit_affine, fit_step_model, from_run_dirs
 

@@ -1,7 +1,8 @@
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.cluster import Cluster

@@ -1,7 +1,8 @@
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanotron_recover.sim.params import LLAMA3_MTBF_HOURS, MTTF_ANCHORS, Params, describe, mttf_hours_at
 

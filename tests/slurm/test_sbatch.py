@@ -15,7 +15,6 @@ torn down at the end, also on failure. Needs root and Debian's slurmctld/slurmd/
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import shutil
@@ -29,9 +28,8 @@ from typing import Iterator
 
 import pytest
 
-from nanotron_recover.run_folder import read_metrics_jsonl
+from nanotron_recover.run_folder import read_metrics, read_metrics_jsonl, resumed_from
 from nanotron_recover.runs import run_training, write_config
-from nanotron_recover.run_folder import read_metrics, resumed_from
 from tests.conftest import make_tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,10 +21,9 @@ from typing import Iterator
 
 import pytest
 
-from nanotron_recover.fake_nodes import kill_processes, process_tree
-from nanotron_recover.run_folder import read_metrics_jsonl
+from nanotron_recover.run_folder import read_metrics, read_metrics_jsonl
 from nanotron_recover.runs import run_training, write_config
-from nanotron_recover.run_folder import read_metrics
+from nanotron_recover.testbed.fake_nodes import kill_processes, process_tree
 from tests.conftest import make_tiny_config
 from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, needs_slurm
 
@@ -100,7 +99,8 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
         if steps and steps[-1]["step"] >= 3:
             placement = ranks_by_node()
             daemons = slurm_node_daemons("n2")
-            kill_processes(dict.fromkeys(p for d in daemons for p in process_tree(d)))  # node 2: its prted and its ranks
+            # node 2: its prted and its ranks
+            kill_processes(dict.fromkeys(p for d in daemons for p in process_tree(d)))
             killed_at = time.time()
         elif two_nodes.job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
             break

@@ -382,47 +382,11 @@ def _tokenize_and_merge(
     into ``output``. Returns the token files, the token count and the bytes per token id."""
     from loguru import logger as _loguru
 
-    from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.tokens import DocumentTokenizer, DocumentTokenizerMerger
-
-    paths_file = work / "paths.txt"
-    paths_file.write_text("\n".join(source.files) + "\n", encoding="utf-8")
-    tokenized = work / "tokenized"
     _loguru.disable("datatrove")
     try:
+        token_size = _tokenize(source, tokenizer, work, seed, say, seconds)
         t0 = time.perf_counter()
-        reader = JsonlReader(
-            str(source.root), paths_file=str(paths_file), text_key=source.text_key, add_file_path=False
-        )
-        doc_tokenizer = DocumentTokenizer(
-            output_folder=str(tokenized),
-            tokenizer_name_or_path=str(tokenizer.path),
-            eos_token=tokenizer.eos,
-            shuffle_documents=False,
-            seed=seed,
-        )
-        doc_tokenizer.run(reader.run(None, rank=0, world_size=1), rank=0, world_size=1)
-        token_size = int(doc_tokenizer.token_size)
-        seconds["tokenize"] = time.perf_counter() - t0
-        try:
-            counted = f"{int(doc_tokenizer.stats['tokens'].total)} tokens"
-        except Exception:  # stats layout is datatrove-internal; the count is cosmetic here
-            counted = "done"
-        say(
-            f"[prepare-data] tokenize: datatrove DocumentTokenizer, {counted} "
-            f"({token_size}-byte ids) ({seconds['tokenize']:.1f} s)"
-        )
-
-        t0 = time.perf_counter()
-        merger = DocumentTokenizerMerger(
-            input_folder=str(tokenized),
-            output_folder=str(output),
-            save_filename=TOKENS_BASENAME,
-            shuffle=shuffle,
-            seed=seed,
-            progress=False,
-        )
-        merger.run(None, rank=0, world_size=1)
+        _merge(work / "tokenized", output, shuffle, seed)
         seconds["merge"] = time.perf_counter() - t0
     finally:
         _loguru.enable("datatrove")
@@ -435,6 +399,60 @@ def _tokenize_and_merge(
         f"(shuffle={shuffle}, seed={seed}) ({seconds['merge']:.1f} s)"
     )
     return files, num_tokens, token_size
+
+
+def _tokenize(
+    source: _Source,
+    tokenizer: _TokenizerInfo,
+    work: Path,
+    seed: int,
+    say: Callable[[str], None],
+    seconds: dict[str, float],
+) -> int:
+    """Stage 3: datatrove's DocumentTokenizer into ``work/tokenized``; the bytes per token id."""
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    paths_file = work / "paths.txt"
+    paths_file.write_text("\n".join(source.files) + "\n", encoding="utf-8")
+    t0 = time.perf_counter()
+    reader = JsonlReader(
+        str(source.root), paths_file=str(paths_file), text_key=source.text_key, add_file_path=False
+    )
+    doc_tokenizer = DocumentTokenizer(
+        output_folder=str(work / "tokenized"),
+        tokenizer_name_or_path=str(tokenizer.path),
+        eos_token=tokenizer.eos,
+        shuffle_documents=False,
+        seed=seed,
+    )
+    doc_tokenizer.run(reader.run(None, rank=0, world_size=1), rank=0, world_size=1)
+    token_size = int(doc_tokenizer.token_size)
+    seconds["tokenize"] = time.perf_counter() - t0
+    try:
+        counted = f"{int(doc_tokenizer.stats['tokens'].total)} tokens"
+    except Exception:  # stats layout is datatrove-internal; the count is cosmetic here
+        counted = "done"
+    say(
+        f"[prepare-data] tokenize: datatrove DocumentTokenizer, {counted} "
+        f"({token_size}-byte ids) ({seconds['tokenize']:.1f} s)"
+    )
+    return token_size
+
+
+def _merge(tokenized: Path, output: Path, shuffle: bool, seed: int) -> None:
+    """Stage 4: datatrove's merger, with a seeded document shuffle, into ``output``."""
+    from datatrove.pipeline.tokens import DocumentTokenizerMerger
+
+    merger = DocumentTokenizerMerger(
+        input_folder=str(tokenized),
+        output_folder=str(output),
+        save_filename=TOKENS_BASENAME,
+        shuffle=shuffle,
+        seed=seed,
+        progress=False,
+    )
+    merger.run(None, rank=0, world_size=1)
 
 
 def _write_manifest(result: PrepareResult, output: Path) -> None:

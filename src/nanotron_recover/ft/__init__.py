@@ -28,6 +28,7 @@ _WHERE = {
     "ReplicaLayout": "layout",
     "FailureWatcher": "watcher",
     "FTWorld": "world",
+    "ReplicaWorld": "protocol",
 }
 
 __all__ = sorted(_WHERE)

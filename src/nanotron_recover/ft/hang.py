@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..phases import HEARTBEAT_ORDER, Phase
 from .hang_policy import (
     BUSY,
     CHECK_INTERVAL_S,
@@ -59,8 +60,7 @@ from .hang_policy import (
     MainThreadProgress,
     peers_of,
 )
-from ..phases import HEARTBEAT_ORDER, Phase
-from .layout import ReplicaLayout
+from .layout import ReplicaAssignment, ReplicaLayout
 from .watcher import cancel_quietly
 
 HEARTBEAT_TAG = 0x4EA7

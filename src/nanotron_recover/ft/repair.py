@@ -130,54 +130,61 @@ def run_repair(
     _release_peers(world_comm, coord_comm, entry_agree)
     event.revoke_ms = _ms(t0)
 
-    comm = world_comm
-    before = set(live_ranks)
-    last_class = -1
+    comm, before, last_class = world_comm, set(live_ranks), -1
     for attempt in range(1, MAX_ATTEMPTS + 1):
         event.attempts = attempt
-        t0 = time.perf_counter()
-        try:
-            shrunk = comm.Shrink()
-        except MPI.Exception as exc:  # should not happen (Shrink is fault tolerant); try again on the same comm
-            event.shrink_ms += _ms(t0)
-            last_class = error_class(exc)
-            continue
-        event.shrink_ms += _ms(t0)
-        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
-        if hook is not None:
-            hook("after_shrink", attempt)
-        out = _exclusion(shrunk, original_group, before, layout, active_replicas, recycle)
-        evicted = my_rank in out.evicted_ranks
-
-        t0 = time.perf_counter()
-        new_world, new_coord, ok = _rebuild(shrunk, layout, my_rank, evicted, out.new_active)
-        event.rebuild_ms += _ms(t0)
-        if hook is not None:
-            hook("after_rebuild", attempt)
-
-        # Commit: uniform agreement that every survivor (evicted included) finished the rebuild.
-        t0 = time.perf_counter()
-        try:
-            ok = shrunk.Agree(ok)
-        except MPI.Exception as exc:
-            ok, last_class = 0, error_class(exc)
-        event.agree_ms += _ms(t0)
-        if not ok:
-            try_revoke(new_coord)
-            try_revoke(new_world)
-            try_revoke(shrunk)
-            comm = shrunk
-            continue
-
-        event.failed_ranks = out.dead
-        event.failed_replicas = out.failed_replicas
-        event.evicted_ranks = out.evicted_ranks
-        event.pooled = {r: (layout.replica_of(r), layout.local_rank_of(r)) for r in out.pooled}
-        event.active_replicas = out.new_active
-        live = [] if evicted else original_ranks(new_world, original_group)  # type: ignore[arg-type]
-        leaving = set(out.evicted_ranks) | set(out.pooled)
-        event.live_replicas = layout.replicas_of(r for r in out.members if r not in leaving)
-        event.total_ms = _ms(t_start)
-        return RepairOutcome(new_world, new_coord, live, event, evicted)
-
+        result = _attempt(comm, original_group, before, layout, my_rank, active_replicas, recycle, hook, event)
+        if isinstance(result, RepairOutcome):
+            event.total_ms = _ms(t_start)
+            return result
+        comm, last_class = result  # try again on the shrunk communicator (or the same one)
     raise FailureDetected("repair", last_class, new_epoch - 1, f"gave up after {MAX_ATTEMPTS} attempts")
+
+
+def _attempt(comm: MPI.Comm, original_group: MPI.Group, before: set[int], layout: ReplicaLayout | ReplicaAssignment,
+             my_rank: int, active_replicas: Sequence[int], recycle: bool, hook: Callable[[str, int], None] | None,
+             event: RepairEvent) -> RepairOutcome | tuple[MPI.Comm, int]:
+    """One Shrink -> exclusion -> rebuild -> Agree round: the outcome, or (the communicator to try again on, the
+    MPI error class) when a process died during it."""
+    t0 = time.perf_counter()
+    try:
+        shrunk = comm.Shrink()
+    except MPI.Exception as exc:  # should not happen (Shrink is fault tolerant); try again on the same comm
+        event.shrink_ms += _ms(t0)
+        return comm, error_class(exc)
+    event.shrink_ms += _ms(t0)
+    shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+    if hook is not None:
+        hook("after_shrink", event.attempts)
+    out = _exclusion(shrunk, original_group, before, layout, active_replicas, recycle)
+    evicted = my_rank in out.evicted_ranks
+
+    t0 = time.perf_counter()
+    new_world, new_coord, ok = _rebuild(shrunk, layout, my_rank, evicted, out.new_active)
+    event.rebuild_ms += _ms(t0)
+    if hook is not None:
+        hook("after_rebuild", event.attempts)
+
+    # Commit: uniform agreement that every survivor (evicted included) finished the rebuild.
+    t0 = time.perf_counter()
+    last_class = -1
+    try:
+        ok = shrunk.Agree(ok)
+    except MPI.Exception as exc:
+        ok, last_class = 0, error_class(exc)
+    event.agree_ms += _ms(t0)
+    if not ok:
+        try_revoke(new_coord)
+        try_revoke(new_world)
+        try_revoke(shrunk)
+        return shrunk, last_class
+
+    event.failed_ranks = out.dead
+    event.failed_replicas = out.failed_replicas
+    event.evicted_ranks = out.evicted_ranks
+    event.pooled = {r: (layout.replica_of(r), layout.local_rank_of(r)) for r in out.pooled}
+    event.active_replicas = out.new_active
+    live = [] if evicted else original_ranks(new_world, original_group)  # type: ignore[arg-type]
+    leaving = set(out.evicted_ranks) | set(out.pooled)
+    event.live_replicas = layout.replicas_of(r for r in out.members if r not in leaving)
+    return RepairOutcome(new_world, new_coord, live, event, evicted)

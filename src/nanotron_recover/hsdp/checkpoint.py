@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanotron_recover.training_state import local_tensor
-from nanotron_recover.training_state import ensure_adam_state
+from nanotron_recover.training_state import ensure_adam_state, local_tensor
 
 if TYPE_CHECKING:
     from nanotron_recover.training_state import TrainingState

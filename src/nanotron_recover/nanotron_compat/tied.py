@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from nanotron import distributed as dist
 from nanotron.config import ParallelismArgs
 from nanotron.models.base import NanotronModel
@@ -23,7 +24,6 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.tensor_parallel.enum import TensorParallelLinearMode
 from nanotron.parallel.tensor_parallel.nn import TensorParallelRowLinear
 from nanotron.parallel.tied_parameters import sync_tied_weights_gradients, tie_parameters
-import torch
 from torch import nn
 
 from nanotron_recover.nanotron_compat.parallel_context import DEFAULT_GROUP_TIMEOUT

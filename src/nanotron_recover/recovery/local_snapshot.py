@@ -59,8 +59,8 @@ from typing import Any, BinaryIO, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from nanotron_recover.training_state import local_tensor
 from nanotron_recover.run_folder import ensure_run_id
+from nanotron_recover.training_state import local_tensor
 
 MAGIC = b"NRSNAP02"
 NODE_NAME_ENV = "NANOTRON_RECOVER_NODE_NAME"  # set by a test bed's stand-in for ssh; else the host name

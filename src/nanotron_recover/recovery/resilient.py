@@ -14,59 +14,49 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
-import os
-import sys
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 import torch.distributed as torch_dist
 from mpi4py import MPI
 
-from nanotron_recover import run_folder
 from nanotron_recover.config import RecoverConfig
-from nanotron_recover.devices import needs_host_staging
-from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent
+from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent, ReplicaWorld
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
-from nanotron_recover.nanotron_compat.process_groups import forget_process_groups
+from nanotron_recover.phases import Phase
 from nanotron_recover.recovery.buckets import GradBuckets
-from nanotron_recover.training_state import local_tensor
+from nanotron_recover.recovery.errors import BelowMinimumReplicas
+from nanotron_recover.recovery.formation import ReplicaFormation
+from nanotron_recover.recovery.lifecycle import ProcessLifecycle
 from nanotron_recover.recovery.local_snapshot import LocalSnapshots
-from nanotron_recover.training_state import ensure_adam_state, state_tensors
-from nanotron_recover.strategy import AttachedModel, CheckpointWriter, CommittedStep, DataParallelStrategy, LocalWork, StepServices
+from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
+from nanotron_recover.strategy import (
+    AttachedModel,
+    CheckpointWriter,
+    CommittedStep,
+    DataParallelStrategy,
+    LocalWork,
+    StepServices,
+)
 from nanotron_recover.training_state import TrainingState, fp32_accumulator
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
-from nanotron_recover.workload.recycle import Formation, RankPool
+from nanotron_recover.workload.recycle import RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
-from nanotron_recover.watchdog import arm_exit_deadline
 from nanotron_recover.world import init_replica_torch_world
-from nanotron_recover.phases import Phase
 
-EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
 REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
 
 
-class BelowMinimumReplicas(RuntimeError):
-    """The job cannot go on: fewer than ``fault_tolerance.min_replicas`` replicas are left, or none that holds the
-    committed state. Checkpoint (from a holder, if one is left) and stop with the restart outcome."""
-
-    def __init__(self, live: int, minimum: int, last_committed_step: int, reason: str | None = None) -> None:
-        super().__init__(reason or f"{live} live replica(s) < fault_tolerance.min_replicas={minimum}")
-        self.last_committed_step = last_committed_step
-
-
-class ResilientDataParallel(DataParallelStrategy):
+class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStrategy):
     """``end_job(reason)`` ends the whole job with the restart outcome (:func:`nanotron_recover.watchdog.end_job`);
     it is called when a rank dies during start-up and when a hang cannot be ended by killing a rank.
 
     ``ft`` and ``parallel_context`` are built here (the ULFM world over ``MPI.COMM_WORLD``, then the replica's
-    torch world) unless given: tests of the step logic pass an in-memory stand-in of :class:`FTWorld`.
+    torch world) unless given: tests of the step logic pass an in-memory world (the interface: :class:`~nanotron_recover.ft.protocol.ReplicaWorld`).
     """
 
     def __init__(
@@ -75,7 +65,7 @@ class ResilientDataParallel(DataParallelStrategy):
         timeout_s: float,
         end_job: Callable[[str], None],
         *,
-        ft: FTWorld | None = None,
+        ft: ReplicaWorld | None = None,
         parallel_context: ReplicaParallelContext | None = None,
     ) -> None:
         par, ft_args = config.parallelism, config.fault_tolerance
@@ -148,51 +138,11 @@ class ResilientDataParallel(DataParallelStrategy):
     def pool_ranks(self) -> list[int] | None:
         return self.ft.pool_ranks if self.recycle else None
 
-    # ------------------------------------------------------------------------------------------------- start-up
-    def startup_complete(self) -> None:
-        """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with
-        the restart outcome); then the start-up watchdog is disarmed and the hang monitor takes over."""
-        try:
-            self.ft.complete_startup()
-        except FailureDetected as e:
-            self._on_startup_failure(frozenset(), detail=str(e))
-            return
-        self.on_started()
-        self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
-
-    def _on_startup_failure(self, dead: frozenset[int], detail: str = "") -> None:
-        reason = f"rank(s) {sorted(dead)} died during start-up" if dead else f"start-up failed: {detail}"
-        self.on_exit(EXIT_RESTART, reason)
-        self._end_job(reason)
-
-    def _end_job_from_monitor(self, reason: str) -> None:
-        self.on_exit(EXIT_RESTART, f"hang: {reason}")
-        self._end_job(f"hang: {reason}")
-
-    def _log_hang(self, record: dict) -> None:
-        """Any rank may detect a hang: append the event to the run's metrics.jsonl (one ``write`` of one line with
-        O_APPEND, so it never interleaves with the logging rank's lines) and say it on stderr. A rank that found
-        itself stuck also leaves its threads' stacks in ``hangs/`` of the run dir (named in the event)."""
-        stacks = record.pop("stacks", None)
-        if stacks is not None and self.run_dir is not None:
-            path = run_folder.write_hang_stacks(self.run_dir, record["by_rank"], record.get("step", 0), stacks)
-            record["stacks_file"] = str(path)
-        sys.stderr.write(f"[nanotron-recover] {json.dumps(record, default=str)}\n" + (stacks or ""))
-        sys.stderr.flush()
-        if self.run_dir is not None:
-            run_folder.append_metrics_record(self.run_dir, record)
-
     def progress(self, step: int, phase: str) -> None:
         self.ft.progress.busy(phase, step)
 
     def slow_io(self, what: str) -> AbstractContextManager[None]:
         return self.ft.progress.slow_io(what)
-
-    def hang_margin(self) -> dict:
-        monitor = self.ft.hang_monitor
-        if monitor is None:
-            return {}
-        return {**monitor.margin.as_dict(), "timeout_s": self.hang_policy.timeout_s}
 
     # ------------------------------------------------------------------------------------------------- step
     def forward_backward_reduce(self, step: int, services: StepServices) -> CommittedStep:
@@ -240,18 +190,6 @@ class ResilientDataParallel(DataParallelStrategy):
             recoveries=recoveries,
             quotas={r: len(v) for r, v in plan.items()} if self.recycle else None,
         )
-
-    def join_repair_after_error(self) -> None:
-        """After an unexpected error: if a process died, this rank's replica broke under it (a torch error from a
-        dead replica-mate); take part in the survivors' repair, which evicts this rank (``ReplicaEvicted``).
-
-        Returns normally when no process died (the error is a bug, not a fault) or when the repair kept this
-        rank (then the error was not caused by the failure): the caller aborts.
-        """
-        # a torch error inside the replica: a replica-mate died, or hangs and the hang monitor will kill it
-        if self.ft.starting or not self.ft.wait_for_failure_notice(extra_s=self.hang_policy.timeout_s + KILL_CONFIRM_S):
-            return
-        self.ft.repair_if_pending()  # unless the watcher already did
 
     def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:
         """Recycling, after a torch error in compute: if a replica-mate's death moved this rank to the pool, the
@@ -365,34 +303,14 @@ class ResilientDataParallel(DataParallelStrategy):
         self._drop_replica_if_pooled(services)
         return changes
 
-    def _drop_replica_if_pooled(self, services: StepServices) -> None:
-        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
-        if self.recycle and self.ft.pooled:
-            if self.parallel_context is not None:
-                self._leave_replica(services)
-            elif torch_dist.is_initialized():  # a formation that broke after its rendezvous, before the model
-                self._forget_torch_world()
-
-    def _leave_replica(self, services: StepServices) -> None:
-        """Pooled: drop the model and the replica's torch world, so that a replica-mate still waiting on this rank
-        in torch traffic gets an error now instead of at its timeout (gloo closes a connection only when the last
-        reference to its process group is gone)."""
-        services.release_replica()
-        self.parallel_context = None
-        self.buckets = None
-        if self.snapshots is not None:
-            self.snapshots.finish()
-            self.snapshots = None
-        self._forget_torch_world()
-
-    def _forget_torch_world(self) -> None:
-        try:
-            forget_process_groups()
-        except Exception as e:  # noqa: BLE001 - a broken world may not tear down cleanly; the references go anyway
-            print(f"[nanotron-recover] rank {self.ft.rank}: torch world of the old replica: {e!r}", flush=True)
-
-    def _recover(self, services: StepServices, step: int, plan: Plan, repaired: list[RepairEvent] | None = None,
-                 since_epoch: int | None = None) -> tuple[Plan, list[int]]:
+    def _recover(
+        self,
+        services: StepServices,
+        step: int,
+        plan: Plan,
+        repaired: list[RepairEvent] | None = None,
+        since_epoch: int | None = None,
+    ) -> tuple[Plan, list[int]]:
         """Repair (unless ``repaired`` says it was done), restore the local sums, and hand the failed replicas'
         microbatches to the survivors."""
         if repaired is not None:
@@ -434,7 +352,7 @@ class ResilientDataParallel(DataParallelStrategy):
                 record = None
                 if new and self.computes():  # over the coordinate groups of the active replicas
                     services.fault_point(step, Phase.TRANSFER)
-                    record = self._copy_state_to_new_replicas(state, donor=min(donors), new=new)
+                    record = copy_state_to_new_replicas(self.ft, state, min(donors), new, self._formed_at)
                 # each coordinate's broadcast ends on its own: one can complete while another lost its donor, so
                 # every rank agrees that all of them did, or all repair and do the transfer again
                 self.ft.agree(True, epoch)
@@ -463,99 +381,6 @@ class ResilientDataParallel(DataParallelStrategy):
                 print(f"[nanotron-recover] local snapshots turned off: {e}", flush=True)
                 self.snapshots = None
         self.hang_policy.record_step(time.monotonic() - self._step_started)
-
-    def _form_replicas(self, step: int, state: TrainingState, services: StepServices) -> None:
-        """Recycling, at a step boundary: while the pool holds a replica's worth of ranks, make a new replica of
-        them (the same choice on every rank: :class:`RankPool`). Its members start a torch world of their own and
-        build their new coordinate's model; it takes a free slot (its state then comes from a live replica with
-        the spare activation below) or waits as a spare.
-
-        A formation is a transaction: every rank of the world agrees that every member has its torch world and
-        model, or all repair. A member lost in the middle breaks the new replica like any other; its survivors go
-        back to the pool, and the pool forms again at once."""
-        while (formation := self.pool.form(self.ft.assignment.next_replica_id)) is not None:
-            self.progress(step, Phase.REPLICA_FORMATION)
-            t0 = time.perf_counter()
-            slot = self.roster.add_replica(formation.replica)
-            epoch = self.ft.epoch
-            try:
-                self._build_formed_replica(step, formation, state, services, epoch)
-                self.ft.agree(True, epoch)
-            except FailureDetected:
-                self._repair(services, step, Phase.REPLICA_FORMATION, epoch)
-                self._abandon_formation(step, formation, services)
-                continue
-            except Exception:  # noqa: BLE001 - a member's rendezvous or model build broke under a co-member's death
-                if self._repairs_that_pooled_me(services, step) is None:
-                    raise
-                gc.collect()  # the error's traceback held the broken replica's process groups
-                self._abandon_formation(step, formation, services)
-                continue
-            if slot is not None:
-                self._pending_activation = True
-            self._formed_at = t0
-            services.metrics.log_event({
-                "event": "replica_formed", "step": step, "epoch": self.ft.epoch, **formation.as_dict(),
-                "slot": slot, "donor": min(self.ft.active_replicas) if slot is not None else None,
-                "pool_ranks": self.pool.ranks,
-            })
-
-    def _abandon_formation(self, step: int, formation: Formation, services: StepServices) -> None:
-        """After a repair that interrupted a formation, on every rank alike: the new replica is undone. When the
-        repair found it broken (a member died) its survivors are in the pool already; when the failure was
-        elsewhere, its members go back to the pool too (some may not have built their model yet), and its slot is
-        freed for the next formation."""
-        if formation.replica not in self.roster.retired:
-            if self.roster.on_failure([formation.replica]).replacements:  # a waiting replica takes the freed slot
-                self._pending_activation = True
-            alive = [m.rank for m in formation.members if m.rank in self.ft.live_ranks]
-            self.pool.add(self.ft.assignment.to_pool(alive))
-            self._drop_replica_if_pooled(services)
-        if not self.holders:
-            # the fault took the last replicas that hold the committed state: nobody can give it to a new one
-            raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step,
-                                       reason=f"no live replica holds the committed state of step {step}")
-        if self.roster.below_minimum(self.min_replicas):
-            raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step)
-
-    def _build_formed_replica(self, step: int, formation: Formation, state: TrainingState, services: StepServices,
-                              epoch: int) -> None:
-        """Every rank: the world learns the new replica's members; a member starts its torch world (rendezvous
-        agreed over MPI) and builds its coordinate's model. The caller's Agree then closes the formation."""
-        services.fault_point(step, Phase.FORMING)
-        replica_comm = self.ft.form_replica(formation.replica, formation.ranks)
-        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
-        try:
-            # the world Split need not fail on every rank alike: all learn that it worked before a member waits on
-            # another in the rendezvous (a member whose Split failed is in the repair, not in the rendezvous)
-            self.ft.agree(True, epoch)
-            if replica_comm is None:  # not a member
-                return
-            services.fault_point(step, Phase.RENDEZVOUS)
-            with self.slow_io(Phase.REPLICA_BUILD):  # like the same build at start-up: the I/O allowance, not a step's
-                init_replica_torch_world(replica_comm, self._timeout_s)
-        finally:
-            if replica_comm is not None:
-                replica_comm.Free()
-        with self.slow_io(Phase.REPLICA_BUILD):
-            self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
-            services.rebuild_replica(self.parallel_context)
-        self.zero_grad(state)  # as every rank did after this step's optimizer step
-        services.fault_point(step, Phase.FORMATION)
-
-    def _copy_state_to_new_replicas(self, state: TrainingState, donor: int, new: set[int]) -> dict:
-        """Broadcast parameters and Adam state from a replica that computed the committed step, tensor by tensor;
-        -> the ``spare_activated`` record (logged once every rank agreed that the transfer completed)."""
-        t0 = time.perf_counter()
-        ensure_adam_state(state.optimizer)
-        for tensor in state_tensors(state):
-            _bcast_tensor(self.ft, tensor, donor)
-        now = time.perf_counter()
-        record = {"event": "spare_activated", "replicas": sorted(new), "donor": donor, "epoch": self.ft.epoch,
-                  "transfer_ms": (now - t0) * 1e3}
-        if self._formed_at is not None:  # a replica formed from the pool: its torch world, model build and state
-            record["formed_to_active_ms"] = (now - self._formed_at) * 1e3
-        return record
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)
@@ -614,28 +439,3 @@ class ResilientDataParallel(DataParallelStrategy):
                 self._repair(services, step, Phase.CHECKPOINT)
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
-
-    def _on_evict(self, reason: BaseException) -> None:
-        """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
-        print(f"[nanotron-recover] replica {self.replica} rank {self.local_rank}: {reason}; exiting 0", flush=True)
-        self.on_exit(0, f"evicted by watcher: {reason}")
-
-    def shutdown(self, code: int = 0) -> None:
-        """End this rank; within ``finalize_timeout_s`` even if its MPI daemon is frozen or gone."""
-        arm_exit_deadline(self.config.fault_tolerance.finalize_timeout_s)
-        self.ft.shutdown(code=code)
-
-
-def _bcast_tensor(ft: FTWorld, tensor: torch.Tensor, donor: int) -> None:
-    """Broadcast one tensor in place from ``donor``'s rank of this coordinate (CUDA tensors via a host copy).
-
-    Coordinates match shard for shard: a rank of an FSDP replica receives its own shard from the donor replica's
-    rank of the same shard index. A bf16 tensor travels as its raw 16-bit words (numpy has no bfloat16)."""
-    tensor = local_tensor(tensor.detach())  # a sharded (FSDP) tensor: this rank's shard
-    host = tensor.cpu() if needs_host_staging(tensor.device) else tensor  # zero-copy on CPU
-    words = host.view(-1)
-    if words.dtype == torch.bfloat16:
-        words = words.view(torch.int16)
-    ft.bcast_(words.numpy(), root_replica=donor, comm="coord")
-    if host is not tensor:
-        tensor.copy_(host)

@@ -100,90 +100,120 @@ def _dir_size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
+@dataclass
+class _RunSamples:
+    """What the run folders measured, before the medians."""
+
+    points: list[tuple[int, int, float]] = field(default_factory=list)  # (microbatches per replica, procs, step s)
+    detect: list[float] = field(default_factory=list)
+    repair: list[float] = field(default_factory=list)
+    repair_ranks: list[int | None] = field(default_factory=list)
+    transfer_ms_mb: list[float] = field(default_factory=list)
+    saves: list[float] = field(default_factory=list)
+    startups: list[float] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)
+    exits: list[float] = field(default_factory=list)
+
+
 def from_run_dirs(dirs: Sequence[str | Path], devices: int | None = None) -> Calibration:
-    """Calibrate from run folders of ``nanotron-recover train`` (through the project's metrics reader)."""
+    """Calibrate from run folders of ``nanotron-recover train`` (read through :mod:`nanotron_recover.run_folder`)."""
+    cal, samples, names = Calibration(), _RunSamples(), []
+    for d in map(Path, dirs):
+        if _sample_run(d, samples, cal):
+            names.append(d.name)
+    _set_from_samples(cal, samples, ", ".join(names) or "no run", devices)
+    return cal
+
+
+def _sample_run(d: Path, out: _RunSamples, cal: Calibration) -> bool:
+    """Add one run folder's measurements to ``out`` (False: it logged no step)."""
     import yaml
 
     from nanotron_recover.run_folder import read_kills, read_metrics
 
-    cal = Calibration()
-    points: list[tuple[int, int, float]] = []
-    detect, repair, repair_ranks, transfer_ms_mb, saves, startups, restarts, exits = ([] for _ in range(8))
-    names = []
-    for d in map(Path, dirs):
-        steps, events = read_metrics(d)
-        if not steps:
+    steps, events = read_metrics(d)
+    if not steps:
+        return False
+    cfg = yaml.safe_load((d / "config.yaml").read_text()) or {} if (d / "config.yaml").is_file() else {}
+    par = cfg.get("parallelism") or {}
+    rpr = int(par.get("tp", 1)) * int(par.get("pp", 1))
+    for i, s in enumerate(steps):
+        n = _processes(s)
+        if i < 2 or s.get("recoveries") or not n or not s.get("live_replicas"):
             continue
-        names.append(d.name)
-        cfg = {}
-        if (d / "config.yaml").is_file():
-            cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
-        par = cfg.get("parallelism") or {}
-        rpr = int(par.get("tp", 1)) * int(par.get("pp", 1))
-        for i, s in enumerate(steps):
-            n = _processes(s)
-            if i < 2 or s.get("recoveries") or not n or not s.get("live_replicas"):
-                continue
-            points.append((math.ceil(s["microbatches"] / s["live_replicas"]), n, float(s["step_time_s"])))
-        kills = [k for k in read_kills(d) if k["time"] is not None]
-        reps = [e for e in events if e.get("event") == "repair"]
-        for e in reps:
-            repair.append(e["total_ms"] / 1000)
-            repair_ranks.append(len(e.get("live_replicas") or []) * rpr or None)
-            start = float(e.get("wall_time", e["time"])) - e["total_ms"] / 1000
-            before = [k["time"] for k in kills if k["time"] <= start]
-            detect.append(start - max(before) if before else e.get("detect_ms", 0) / 1000)
-        ckpt_dir = d / ((cfg.get("checkpoints") or {}).get("checkpoints_path") or "checkpoints")
-        folders = sorted((p for p in ckpt_dir.glob("[0-9]*") if p.is_dir()), key=lambda p: int(p.name)) \
-            if ckpt_dir.is_dir() else []
-        state_mb = _dir_size_mb(folders[-1]) / max(1, rpr) if folders else None
-        for e in events:
-            if e.get("event") == "spare_activated" and state_mb:
-                rep = [r for r in reps if r["time"] <= e["time"]]
-                if rep:
-                    transfer_ms_mb.append((e["time"] - rep[-1]["time"]) * 1000 / state_mb)
-        by_step = {s["step"]: s for s in steps}
-        for f in folders:
-            k = int(f.name)
-            if k in by_step and k + 1 in by_step:
-                nxt = by_step[k + 1]
-                saves.append(nxt["time"] - nxt["step_time_s"] - by_step[k]["time"])
-        first = steps[0]
-        if (d / "config.yaml").is_file():
-            up = first["time"] - first["step_time_s"] - (d / "config.yaml").stat().st_mtime
-            (restarts if first["step"] > 1 else startups).append(up)
-        for prev, cur in zip(steps, steps[1:]):  # a relaunch appended to the same folder (requeue)
-            if cur["time"] - cur["step_time_s"] > prev["time"] + 1.0 and cur["step"] <= prev["step"] + 1 \
-                    and any(e.get("event") == "stopped" and prev["time"] <= e["time"] <= cur["time"] for e in events):
-                restarts.append(cur["time"] - cur["step_time_s"] - prev["time"])
-        if (d / "output.log").is_file() and steps[-1]["step"] not in {int(f.name) for f in folders}:
-            exits.append((d / "output.log").stat().st_mtime - max(r["time"] for r in steps + events))
-        if state_mb:
-            cal.set("state_gb_per_rank", state_mb / 1024, f"newest checkpoint of {d.name} / {rpr} ranks")
-    src = ", ".join(names) or "no run"
-    if points:
-        base, mb = fit_step_model(points, devices)
-        cal.set("base_s", base, f"{len(points)} step records of {src}")
-        cal.set("mb_s", mb, f"{len(points)} step records of {src}")
+        out.points.append((math.ceil(s["microbatches"] / s["live_replicas"]), n, float(s["step_time_s"])))
+    reps = [e for e in events if e.get("event") == "repair"]
+    _sample_repairs(reps, [k for k in read_kills(d) if k["time"] is not None], rpr, out)
+    ckpt_dir = d / ((cfg.get("checkpoints") or {}).get("checkpoints_path") or "checkpoints")
+    folders = sorted((p for p in ckpt_dir.glob("[0-9]*") if p.is_dir()), key=lambda p: int(p.name)) \
+        if ckpt_dir.is_dir() else []
+    state_mb = _dir_size_mb(folders[-1]) / max(1, rpr) if folders else None
+    for e in events:
+        if e.get("event") == "spare_activated" and state_mb:
+            rep = [r for r in reps if r["time"] <= e["time"]]
+            if rep:
+                out.transfer_ms_mb.append((e["time"] - rep[-1]["time"]) * 1000 / state_mb)
+    by_step = {s["step"]: s for s in steps}
+    for f in folders:
+        k = int(f.name)
+        if k in by_step and k + 1 in by_step:
+            nxt = by_step[k + 1]
+            out.saves.append(nxt["time"] - nxt["step_time_s"] - by_step[k]["time"])
+    _sample_launches(d, steps, events, {int(f.name) for f in folders}, out)
+    if state_mb:
+        cal.set("state_gb_per_rank", state_mb / 1024, f"newest checkpoint of {d.name} / {rpr} ranks")
+    return True
+
+
+def _sample_repairs(reps: list[dict], kills: list[dict], rpr: int, out: _RunSamples) -> None:
+    """Detection (the injector's kill -> the repair's start) and repair times."""
+    for e in reps:
+        out.repair.append(e["total_ms"] / 1000)
+        out.repair_ranks.append(len(e.get("live_replicas") or []) * rpr or None)
+        start = float(e.get("wall_time", e["time"])) - e["total_ms"] / 1000
+        before = [k["time"] for k in kills if k["time"] <= start]
+        out.detect.append(start - max(before) if before else e.get("detect_ms", 0) / 1000)
+
+
+def _sample_launches(d: Path, steps: list[dict], events: list[dict], checkpointed: set[int], out: _RunSamples) -> None:
+    """Start-up (config written -> first step), relaunches appended to the same folder (requeue), job ends."""
+    first = steps[0]
+    if (d / "config.yaml").is_file():
+        up = first["time"] - first["step_time_s"] - (d / "config.yaml").stat().st_mtime
+        (out.restarts if first["step"] > 1 else out.startups).append(up)
+    for prev, cur in zip(steps, steps[1:]):
+        if cur["time"] - cur["step_time_s"] > prev["time"] + 1.0 and cur["step"] <= prev["step"] + 1 \
+                and any(e.get("event") == "stopped" and prev["time"] <= e["time"] <= cur["time"] for e in events):
+            out.restarts.append(cur["time"] - cur["step_time_s"] - prev["time"])
+    if (d / "output.log").is_file() and steps[-1]["step"] not in checkpointed:
+        out.exits.append((d / "output.log").stat().st_mtime - max(r["time"] for r in steps + events))
+
+
+def _set_from_samples(cal: Calibration, samples: _RunSamples, src: str, devices: int | None) -> None:
+    if samples.points:
+        base, mb = fit_step_model(samples.points, devices)
+        cal.set("base_s", base, f"{len(samples.points)} step records of {src}")
+        cal.set("mb_s", mb, f"{len(samples.points)} step records of {src}")
         cal.set("devices", devices, "the machine the runs shared (cores)")
-    cal.set("detect_s", _median(detect), f"{len(detect)} repair events")
-    cal.set("repair_s", _median(repair), f"{len(repair)} repair events")
-    cal.set("repair_ranks", _median([r for r in repair_ranks if r]) and int(_median([r for r in repair_ranks if r])),
-            "ranks in those repairs")
-    tm = _median(transfer_ms_mb)
+    cal.set("detect_s", _median(samples.detect), f"{len(samples.detect)} repair events")
+    cal.set("repair_s", _median(samples.repair), f"{len(samples.repair)} repair events")
+    ranks = _median([r for r in samples.repair_ranks if r])
+    cal.set("repair_ranks", ranks and int(ranks), "ranks in those repairs")
+    tm = _median(samples.transfer_ms_mb)
     if tm:
-        cal.set("transfer_gb_per_s", 1000 / tm / 1.024, f"{len(transfer_ms_mb)} spare activations ({tm:.3g} ms/MB)")
-    s = _median(saves)
+        cal.set("transfer_gb_per_s", 1000 / tm / 1.024,
+                f"{len(samples.transfer_ms_mb)} spare activations ({tm:.3g} ms/MB)")
+    s = _median(samples.saves)
     if s is not None and "state_gb_per_rank" in cal.values:
         cal.set("ckpt_fixed_s", 0.0, "save time taken as size / bandwidth")
-        cal.set("storage_gb_per_s", cal.values["state_gb_per_rank"] / max(s, 1e-6), f"{len(saves)} checkpoint saves")
-    cal.set("startup_s", _median(startups), f"{len(startups)} launches (config.yaml mtime -> first step)")
-    r = _median(restarts)
+        cal.set("storage_gb_per_s", cal.values["state_gb_per_rank"] / max(s, 1e-6),
+                f"{len(samples.saves)} checkpoint saves")
+    cal.set("startup_s", _median(samples.startups), f"{len(samples.startups)} launches (config.yaml mtime -> first step)")
+    r = _median(samples.restarts)
     if r is not None:
         # one node: restart_per_node_s cannot be measured here and keeps its anchor
-        cal.set("restart_fixed_s", r, f"{len(restarts)} relaunches (checkpoint load not separated)")
-    cal.set("exit_s", _median(exits), f"{len(exits)} job ends (last record -> output.log)")
-    return cal
+        cal.set("restart_fixed_s", r, f"{len(samples.restarts)} relaunches (checkpoint load not separated)")
+    cal.set("exit_s", _median(samples.exits), f"{len(samples.exits)} job ends (last record -> output.log)")
 
 
 # ---------------------------------------------------------------------------------------------- benchmark JSON
@@ -239,62 +269,22 @@ def from_benchmark_json(path: str | Path) -> tuple[Calibration, Calibration, Ben
     compared with: the stock path's startup from ``reference`` and both checkpoint-restart variants' first
     launches, its restart from every relaunch of both variants, and so on."""
     data = json.loads(Path(path).read_text())
-    runs = data["runs"]
-    name = Path(path).name
+    runs, name = data["runs"], Path(path).name
     stock = [r for n, r in runs.items() if n == "reference" or n.startswith("ckpt_restart")]
     rec = [r for n, r in runs.items() if n in ("recover", "recover_ff", "shrinking")]
     ref = runs.get("reference") or stock[0]
     a0 = ref["attempts"][0]
     dp, acc = int(a0["dp"]), int(a0["accumulation"])
-    M = dp * acc
-    tpm = int(round(ref["committed_tokens"] / ref["final_step"] / M))
     cores = os.cpu_count()
     machine = str(data.get("machine", ""))
     if machine.split(" ")[0].isdigit() and "CPU only" in machine:
         cores = int(machine.split(" ")[0])
-
-    def step_median(rs: list[dict]) -> float:
-        diffs = []
-        for r in rs:
-            for ts in _attempt_steps(r):
-                diffs += [b - a for a, b in zip(ts[2:], ts[3:])]  # the first steps of a job are slower
-        return statistics.median(diffs)
-
-    # launches (first and relaunches, both paths) and clean job ends, against the processes of the job
-    launches, clean_exits, exits_after_failure = [], [], []
-    for r in runs.values():
-        step = step_median([r])
-        had_failure = bool(r.get("failures"))
-        for a, ts in zip(r["attempts"], _attempt_steps(r)):
-            if ts:
-                launches.append((a["n_procs"], ts[0] - step - a["launch_t"]))
-                in_place = not r["name"].startswith("ckpt")  # an in-place run's kills do not end its job
-                if a["returncode"] == 0 and (in_place or not a["kills"]):
-                    (exits_after_failure if had_failure and not r["name"].startswith("ckpt") else clean_exits
-                     ).append((a["n_procs"], a["end_t"] - ts[-1]))
-
-    def path_cal(rs: list[dict], what: str) -> Calibration:
-        cal = Calibration()
-        step = step_median(rs)
-        cal.set("base_s", 0.0, "one quota x share value only")
-        cal.set("mb_s", step / (acc * dp / cores), f"median step {step:.3f} s of {what} in {name} at {dp} processes,"
-                f" quota {acc}, {cores} cores")
-        cal.set("devices", cores, f"{name}: machine line")
-        fixed, per = fit_affine(launches)
-        cal.set("restart_fixed_s", fixed, f"{len(launches)} launches (first + relaunches) in {name}, vs processes")
-        cal.set("restart_per_process_s", per, f"{len(launches)} launches in {name}, vs processes")
-        fixed, per = fit_affine(clean_exits)
-        cal.set("exit_s", fixed, f"{len(clean_exits)} clean job ends (last record -> job gone) in {name}")
-        cal.set("exit_per_process_s", per, f"{len(clean_exits)} clean job ends in {name}, vs processes")
-        cal.set("exit_after_failure_s", _median(e for _, e in exits_after_failure),
-                f"{len(exits_after_failure)} ReCoVer job ends after failures in {name}")
-        return cal
-
-    stock_cal = path_cal(stock, "the stock path")
+    ends = _job_ends(runs)
+    stock_cal = _path_calibration(stock, "the stock path", name, dp, acc, cores, ends)
     fails = [f for r in stock if r["name"].startswith("ckpt_restart") for f in r.get("failures", [])]
     stock_cal.set("teardown_s", _median(f.get("detect_teardown_s") for f in fails), f"kill -> mpirun exit, {name}")
     saves = [s for r in stock for s in r.get("checkpoint_save_s", [])]
-    rec_cal = path_cal(rec, "the ReCoVer path")
+    rec_cal = _path_calibration(rec, "the ReCoVer path", name, dp, acc, cores, ends)
     for cal in (stock_cal, rec_cal):  # the same checkpoint code on both paths
         cal.set("ckpt_fixed_s", _median(saves), f"{len(saves)} checkpoint saves in {name}")
         cal.set("state_gb_per_rank", 0.0, "save time measured whole (ckpt_fixed_s)")
@@ -302,14 +292,80 @@ def from_benchmark_json(path: str | Path) -> tuple[Calibration, Calibration, Ben
     rec_cal.set("detect_s", _median(f["detect_s"] for f in rfails), f"{len(rfails)} failures in {name}")
     rec_cal.set("repair_s", _median(f["repair_s"] for f in rfails), f"{len(rfails)} failures in {name}")
     rec_cal.set("repair_ranks", dp, "processes of the job")
+    return stock_cal, rec_cal, _schedule(data, stock, ref, dp, acc, cores)
 
+
+def _step_median(rs: list[dict]) -> float:
+    diffs = []
+    for r in rs:
+        for ts in _attempt_steps(r):
+            diffs += [b - a for a, b in zip(ts[2:], ts[3:])]  # the first steps of a job are slower
+    return statistics.median(diffs)
+
+
+_JobEnds = tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, float]]]
+
+
+def _job_ends(runs: dict[str, dict]) -> _JobEnds:
+    """Launches (first and relaunches, both paths), clean job ends, and job ends after failures, against the
+    processes of the job: ``(processes, seconds)``."""
+    launches, clean_exits, exits_after_failure = [], [], []
+    for r in runs.values():
+        step = _step_median([r])
+        had_failure = bool(r.get("failures"))
+        for a, ts in zip(r["attempts"], _attempt_steps(r)):
+            if ts:
+                launches.append((a["n_procs"], ts[0] - step - a["launch_t"]))
+                in_place = not r["name"].startswith("ckpt")  # an in-place run's kills do not end its job
+                if a["returncode"] == 0 and (in_place or not a["kills"]):
+                    (exits_after_failure if had_failure and in_place else clean_exits).append(
+                        (a["n_procs"], a["end_t"] - ts[-1])
+                    )
+    return launches, clean_exits, exits_after_failure
+
+
+def _path_calibration(
+    rs: list[dict], what: str, name: str, dp: int, acc: int, cores: int | None, ends: _JobEnds
+) -> Calibration:
+    launches, clean_exits, exits_after_failure = ends
+    cal = Calibration()
+    step = _step_median(rs)
+    cal.set("base_s", 0.0, "one quota x share value only")
+    cal.set(
+        "mb_s",
+        step / (acc * dp / cores),
+        f"median step {step:.3f} s of {what} in {name} at {dp} processes, quota {acc}, {cores} cores",
+    )
+    cal.set("devices", cores, f"{name}: machine line")
+    fixed, per = fit_affine(launches)
+    cal.set("restart_fixed_s", fixed, f"{len(launches)} launches (first + relaunches) in {name}, vs processes")
+    cal.set("restart_per_process_s", per, f"{len(launches)} launches in {name}, vs processes")
+    fixed, per = fit_affine(clean_exits)
+    cal.set("exit_s", fixed, f"{len(clean_exits)} clean job ends (last record -> job gone) in {name}")
+    cal.set("exit_per_process_s", per, f"{len(clean_exits)} clean job ends in {name}, vs processes")
+    cal.set("exit_after_failure_s", _median(e for _, e in exits_after_failure),
+            f"{len(exits_after_failure)} ReCoVer job ends after failures in {name}")
+    return cal
+
+
+def _schedule(data: dict, stock: list[dict], ref: dict, dp: int, acc: int, cores: int | None) -> BenchmarkSchedule:
+    """What the headline's checkpoint-restart baseline ran, to simulate it again."""
+    runs = data["runs"]
+    tpm = int(round(ref["committed_tokens"] / ref["final_step"] / (dp * acc)))
     ck = runs.get(data.get("headline", {}).get("baseline", "ckpt_restart_A")) or stock[-1]
     interval = int(ck.get("checkpoint_interval") or 0)
     kill_fraction = 0.5  # a SIGKILL in the backward pass: about half-way through the step
-    events = []
-    for f in ck.get("failures", []):
-        events.append(ScheduledFailure(f["step"] - 1 + kill_fraction, tuple(f["replicas"])))
-    sched = BenchmarkSchedule(dp, acc, int(ck["target_steps"]), interval, tuple(events), tpm, cores,
-                              float(data["headline"]["recover_vs_ckpt_restart_effective_throughput"]),
-                              ck["name"])
-    return stock_cal, rec_cal, sched
+    events = tuple(
+        ScheduledFailure(f["step"] - 1 + kill_fraction, tuple(f["replicas"])) for f in ck.get("failures", [])
+    )
+    return BenchmarkSchedule(
+        dp,
+        acc,
+        int(ck["target_steps"]),
+        interval,
+        events,
+        tpm,
+        cores,
+        float(data["headline"]["recover_vs_ckpt_restart_effective_throughput"]),
+        ck["name"],
+    )

@@ -316,46 +316,56 @@ def simulate(
         guard += 1
         if guard > 5_000_000:
             raise RuntimeError("simulation did not converge (event storm)")
-        cands: list[tuple[float, str]] = [(horizon, "horizon"), (run.next_fail, "fail")]
-        if run.rejoins:
-            cands.append((run.rejoins[0][0], "rejoin"))
-        if run.phase == "run":
-            step = run.step_s()
-            for prog, what in ((target, "target"), (run.next_ckpt, "ckpt"),
-                               (sched[0].step if sched else math.inf, "sched")):
-                if prog < math.inf:
-                    cands.append((run.t + max(0.0, prog - run.progress) * step, what))
-        else:
-            cands.append((run.t + run.pending[0][1], "phase"))
-        t_next, what = min(cands, key=lambda c: c[0])
+        t_next, what = _next_event(run, horizon, target, sched)
         run._advance(t_next)
         if what == "horizon":
             break
-        if what == "fail":
-            run.random_failure()
-            run.next_fail = run.t + run.rng.expovariate(run.fail_rate)
-        elif what == "rejoin":
-            _, gen, slot = heapq.heappop(run.rejoins)
-            if gen == run.generation and slot in run.failed_slots and not run.done:
-                del run.failed_slots[slot]
-                run.active.add(slot)
-        elif what == "phase":
-            run._phase_done()
-        elif what == "target":
-            run.progress = target
-            run._push("exit", run.exit_s(), run.job_procs())
-        elif what == "ckpt":
-            run.progress = run.next_ckpt
-            run.next_ckpt += policy.checkpoint_interval or math.inf
-            run._push("save", p.ckpt_save_s(), run.job_procs())
-        elif what == "sched":
-            run.progress = max(run.progress, sched[0].step)
-            run.scheduled_failure(sched.popleft())
+        _handle(run, what, target, sched, policy, p)
     res = run.res
     res.wall_s, res.tokens, res.steps = run.t, run.tokens, run.progress
     res.gpu_s_allocated = cluster.gpus * run.t
     res.failure_free_tokens_per_s = failure_free_rate(cluster, policy, p)
     return res
+
+
+def _next_event(run: "_Run", horizon: float, target: float, sched: deque) -> tuple[float, str]:
+    """The earliest of: the horizon, the next random failure, a rejoin, and (while running) the target, the next
+    checkpoint or the next scheduled failure; (otherwise) the end of the current phase."""
+    cands: list[tuple[float, str]] = [(horizon, "horizon"), (run.next_fail, "fail")]
+    if run.rejoins:
+        cands.append((run.rejoins[0][0], "rejoin"))
+    if run.phase == "run":
+        step = run.step_s()
+        for prog, what in ((target, "target"), (run.next_ckpt, "ckpt"),
+                           (sched[0].step if sched else math.inf, "sched")):
+            if prog < math.inf:
+                cands.append((run.t + max(0.0, prog - run.progress) * step, what))
+    else:
+        cands.append((run.t + run.pending[0][1], "phase"))
+    return min(cands, key=lambda c: c[0])
+
+
+def _handle(run: "_Run", what: str, target: float, sched: deque, policy: Policy, p: Params) -> None:
+    if what == "fail":
+        run.random_failure()
+        run.next_fail = run.t + run.rng.expovariate(run.fail_rate)
+    elif what == "rejoin":
+        _, gen, slot = heapq.heappop(run.rejoins)
+        if gen == run.generation and slot in run.failed_slots and not run.done:
+            del run.failed_slots[slot]
+            run.active.add(slot)
+    elif what == "phase":
+        run._phase_done()
+    elif what == "target":
+        run.progress = target
+        run._push("exit", run.exit_s(), run.job_procs())
+    elif what == "ckpt":
+        run.progress = run.next_ckpt
+        run.next_ckpt += policy.checkpoint_interval or math.inf
+        run._push("save", p.ckpt_save_s(), run.job_procs())
+    elif what == "sched":
+        run.progress = max(run.progress, sched[0].step)
+        run.scheduled_failure(sched.popleft())
 
 
 def failure_free_rate(cluster: Cluster, policy: Policy, p: Params) -> float:

@@ -80,7 +80,8 @@ class Params:
     teardown_s: float = 30.0  # failure -> the job is gone (collective timeout, scheduler notices)
     restart_fixed_s: float = 120.0  # relaunch -> training again, without the per-node part and the load
     restart_per_process_s: float = 0.0  # shared devices only (a CPU): processes' imports compete for the cores
-    restart_per_node_s: float = 0.035  # anchor: FT-HSDP ~10 min stall at ~100K GPUs: (600 - 30 - 120 - 10) s / 12.5k nodes
+    # anchor: FT-HSDP ~10 min stall at ~100K GPUs: (600 - 30 - 120 - 10) s / 12.5k nodes
+    restart_per_node_s: float = 0.035
     startup_s: float | None = None  # the first launch (None: as a restart)
     exit_s: float = 0.0  # last step -> job gone (the allocation is held until then)
     exit_per_process_s: float = 0.0  # shared devices only

@@ -12,10 +12,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
+from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.optimal import recommend, rollback_mtbf_s, run_policies, young_daly_s
 from nanotron_recover.sim.params import Params, describe
-from nanotron_recover.sim import policies as P
 
 __all__ = ["add_plan_arguments", "build_params", "run_plan", "plan_report"]
 

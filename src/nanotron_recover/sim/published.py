@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.engine import simulate
 from nanotron_recover.sim.params import Params
-from nanotron_recover.sim import policies as P
 
 __all__ = ["FTHSDP", "ft_hsdp_scenario"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.calibrate import BenchmarkSchedule, Calibration, from_benchmark_json
 from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.engine import SimResult, simulate
 from nanotron_recover.sim.params import Params
-from nanotron_recover.sim import policies as P
 
 __all__ = ["BenchmarkPrediction", "predict_benchmark", "predict_benchmark_json", "benchmark_params"]
 

@@ -11,10 +11,10 @@ Processes of two fake nodes must not use shared memory with each other (a segfau
 
 Use it from a shell::
 
-    eval "$(python -m nanotron_recover.fake_nodes up /tmp/bed --nodes 3 --slots 2)"
+    eval "$(python -m nanotron_recover.testbed.fake_nodes up /tmp/bed --nodes 3 --slots 2)"
     nanotron-recover train --config-file C ...        # mpirun starts one prted per fake node
-    python -m nanotron_recover.fake_nodes ps /tmp/bed  # which ranks and pids live on which node
-    python -m nanotron_recover.fake_nodes kill /tmp/bed n3   # lose node n3 (its prted and its ranks)
+    python -m nanotron_recover.testbed.fake_nodes ps /tmp/bed  # which ranks and pids live on which node
+    python -m nanotron_recover.testbed.fake_nodes kill /tmp/bed n3   # lose node n3 (its prted and its ranks)
 
 Standard library only (and the launcher's light module); Linux (/proc).
 """
@@ -33,7 +33,7 @@ from typing import Sequence
 from nanotron_recover.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV  # what the launcher reads (light imports)
 
 AGENT = """#!/usr/bin/env bash
-# a stand-in for ssh (nanotron_recover.fake_nodes): drop its options and the host name, run the command here
+# a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -o|-p|-l|-i|-F) shift 2 ;;
@@ -179,7 +179,7 @@ def kill_processes(pids: Sequence[int], timeout_s: float = 10.0, what: str = "th
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanotron_recover.fake_nodes", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m nanotron_recover.testbed.fake_nodes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="write the hostfile and the ssh stand-in; print the exports for the launcher")

@@ -1,0 +1,16 @@
+"""Why the resilient path stops: the one error it raises to the process lifecycle."""
+
+from __future__ import annotations
+
+from nanotron_recover.exit_codes import EXIT_RESTART
+
+EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
+
+
+class BelowMinimumReplicas(RuntimeError):
+    """The job cannot go on: fewer than ``fault_tolerance.min_replicas`` replicas are left, or none that holds the
+    committed state. Checkpoint (from a holder, if one is left) and stop with the restart outcome."""
+
+    def __init__(self, live: int, minimum: int, last_committed_step: int, reason: str | None = None) -> None:
+        super().__init__(reason or f"{live} live replica(s) < fault_tolerance.min_replicas={minimum}")
+        self.last_committed_step = last_committed_step

@@ -1,0 +1,203 @@
+"""A resilient rank's life as a process: start-up, hang events, how it ends, and the exit record it leaves.
+
+Two parts. :class:`ProcessLifecycle` is the half of the resilient strategy that the entry point talks to (the
+hooks ``on_exit`` / ``on_started``, the run dir, the hang monitor's events, the bounded shutdown), so that the step
+logic in :mod:`.resilient` stays about steps. :func:`run_resilient` is the rank's whole run: build the strategy,
+train, and turn whatever ended the run into an exit code and an exit record (0 done or evicted, 3 relaunch to
+resume, 1 a bug that the same code would hit again: the job is aborted at once).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from nanotron_recover import run_folder
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.ft import FailureDetected, ReplicaEvicted
+from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
+from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas
+from nanotron_recover.watchdog import arm_exit_deadline, end_job
+
+if TYPE_CHECKING:
+    from nanotron_recover.config import RecoverConfig
+
+# The entry point picks the classes (3D or HSDP strategy, the trainer) and hands them in: this module depends on
+# neither, so the strategy can take the lifecycle half below as a base class.
+StrategyFactory = Callable[..., Any]  # (config, timeout_s, end_job=...) -> a ResilientDataParallel
+TrainerFactory = Callable[[Any, Path, Any], Any]  # (config, run_dir, strategy) -> a RecoverTrainer
+
+
+class ProcessLifecycle:
+    """Start-up completion, hang events, eviction and shutdown of a resilient rank: a base class of
+    :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel` (it uses the strategy's ``ft``,
+    ``hang_policy``, ``config``, ``replica`` and ``local_rank``)."""
+
+    on_exit: Callable[[int, str], None]  # (code, reason): write this rank's exit record
+    on_started: Callable[[], None]  # called once every rank is ready to train (disarms the start-up watchdog)
+    run_dir: Path | None  # where hang events are appended (set by the entry point)
+
+    def startup_complete(self) -> None:
+        """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with
+        the restart outcome); then the start-up watchdog is disarmed and the hang monitor takes over."""
+        try:
+            self.ft.complete_startup()
+        except FailureDetected as e:
+            self._on_startup_failure(frozenset(), detail=str(e))
+            return
+        self.on_started()
+        self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
+
+    @property
+    def starting(self) -> bool:
+        """Before every rank was ready: a failure now has no recovery, the job restarts."""
+        return self.ft.starting
+
+    def _on_startup_failure(self, dead: frozenset[int], detail: str = "") -> None:
+        reason = f"rank(s) {sorted(dead)} died during start-up" if dead else f"start-up failed: {detail}"
+        self.on_exit(EXIT_RESTART, reason)
+        self._end_job(reason)
+
+    def _end_job_from_monitor(self, reason: str) -> None:
+        self.on_exit(EXIT_RESTART, f"hang: {reason}")
+        self._end_job(f"hang: {reason}")
+
+    def _log_hang(self, record: dict[str, Any]) -> None:
+        """Any rank may detect a hang: append the event to the run's metrics (one line, never interleaved with the
+        logging rank's) and say it on stderr. A rank that found itself stuck also leaves its threads' stacks."""
+        stacks = record.pop("stacks", None)
+        if stacks is not None and self.run_dir is not None:
+            path = run_folder.write_hang_stacks(self.run_dir, record["by_rank"], record.get("step", 0), stacks)
+            record["stacks_file"] = str(path)
+        sys.stderr.write(f"[nanotron-recover] {json.dumps(record, default=str)}\n" + (stacks or ""))
+        sys.stderr.flush()
+        if self.run_dir is not None:
+            run_folder.append_metrics_record(self.run_dir, record)
+
+    def hang_margin(self) -> dict[str, Any]:
+        """How close this rank came to its hang timeout (kept in its exit record)."""
+        monitor = self.ft.hang_monitor
+        if monitor is None:
+            return {}
+        return {**monitor.margin.as_dict(), "timeout_s": self.hang_policy.timeout_s}
+
+    def join_repair_after_error(self) -> None:
+        """After an unexpected error: if a process died, this rank's replica broke under it (a torch error from a
+        dead replica-mate); take part in the survivors' repair, which evicts this rank (``ReplicaEvicted``).
+
+        Returns normally when no process died (the error is a bug, not a fault) or when the repair kept this
+        rank (then the error was not caused by the failure): the caller aborts.
+        """
+        # a torch error inside the replica: a replica-mate died, or hangs and the hang monitor will kill it
+        if self.ft.starting or not self.ft.wait_for_failure_notice(extra_s=self.hang_policy.timeout_s + KILL_CONFIRM_S):
+            return
+        self.ft.repair_if_pending()  # unless the watcher already did
+
+    def _on_evict(self, reason: BaseException) -> None:
+        """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
+        print(f"[nanotron-recover] replica {self.replica} rank {self.local_rank}: {reason}; exiting 0", flush=True)
+        self.on_exit(0, f"evicted by watcher: {reason}")
+
+    def shutdown(self, code: int = 0) -> None:
+        """End this rank; within ``finalize_timeout_s`` even if its MPI daemon is frozen or gone."""
+        arm_exit_deadline(self.config.fault_tolerance.finalize_timeout_s)
+        self.ft.shutdown(code=code)
+
+
+# ------------------------------------------------------------------------------------------------ the rank's run
+def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, config: "RecoverConfig",
+                  run_dir: Path, timeout_s: float, on_started: Callable[[], None] | None = None) -> int:
+    """Build the resilient strategy over ULFM, train, and end: the rank's exit code (its record is written)."""
+    from mpi4py import MPI  # MPI_Init (the entry point fired its after_mpi_init fault right before)
+
+    dp = _build_strategy(make_strategy, config, run_dir, timeout_s, MPI.COMM_WORLD.Get_rank())
+    if on_started is not None:
+        dp.on_started = on_started
+    trainer = None
+    try:
+        trainer = make_trainer(config, run_dir, dp)
+        trainer.train()
+        code, reason = EXIT_DONE, "finished"
+    except ReplicaEvicted as e:
+        code, reason = _leave_evicted(dp, e)
+    except BelowMinimumReplicas as e:
+        code, reason = _stop_below_minimum(dp, trainer, e)
+    except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
+        code, reason = _after_error(dp, error)
+    dp.on_exit(code, reason)
+    sys.stdout.flush()
+    dp.shutdown(code=code)
+    return code
+
+
+def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", run_dir: Path, timeout_s: float,
+                    rank: int) -> Any:
+    """The resilient strategy with its exit record hooked up. A peer that dies or hangs while the worlds are built
+    leaves nothing to recover yet: the job ends with the restart outcome."""
+    try:
+        dp = make_strategy(config, timeout_s, end_job=end_job)
+    except Exception as error:  # noqa: BLE001
+        traceback.print_exc()
+        reason = f"start-up failed: {type(error).__name__}: {error}"
+        run_folder.record_exit(run_dir, rank, EXIT_RESTART, reason)
+        end_job(reason)
+        raise SystemExit(EXIT_RESTART) from error
+    dp.run_dir = run_dir
+    dp.on_exit = lambda code, reason: run_folder.record_exit(run_dir, rank, code, reason, hang_margin=dp.hang_margin())
+    return dp
+
+
+def _leave_evicted(dp: ProcessLifecycle, e: ReplicaEvicted, after: str = "") -> tuple[int, str]:
+    print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
+    return EXIT_DONE, f"evicted{after}: {e}"
+
+
+def _stop_below_minimum(dp: Any, trainer: Any,
+                        e: BelowMinimumReplicas) -> tuple[int, str]:
+    """Too few replicas, or none holding the committed state: a holder saves the last committed step (a checkpoint
+    from anyone else would publish another state under that step's name), then the job stops for a relaunch."""
+    step = e.last_committed_step
+    if not dp.can_checkpoint():
+        print(f"[nanotron-recover] stopping: {e}; no checkpoint is written (a relaunch resumes from the newest "
+              "committed snapshot or checkpoint)", flush=True)
+    elif step > 0 and trainer is not None:
+        print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {step}", flush=True)
+        try:  # collective over the live ranks: a holder writes
+            trainer.save_checkpoint(step, extra_state={"stopped": "below_min_replicas"})
+        except (BelowMinimumReplicas, FailureDetected) as again:  # another death during the fallback save
+            print(f"[nanotron-recover] fallback checkpoint not saved: {again}", flush=True)
+    if trainer is not None:
+        trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": step})
+        trainer.metrics.close()
+    return EXIT_BELOW_MIN_REPLICAS, str(e)
+
+
+def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
+    """An error that is not one of ours: a replica-mate's death seen as a torch error (join the repair, which
+    evicts this rank), a pooled rank's (leave), or a bug (abort the whole job now rather than leave the other
+    ranks to wait out their torch timeouts: the same error would hit every replica)."""
+    if dp.starting:  # before every rank was ready there is no recovery: the job restarts
+        traceback.print_exc()
+        reason = f"start-up failed: {type(error).__name__}: {error}"
+        dp.on_exit(EXIT_RESTART, reason)
+        end_job(reason)
+    try:
+        dp.join_repair_after_error()  # a dead replica-mate broke our torch traffic: leave with the repair
+    except ReplicaEvicted as e:
+        return _leave_evicted(dp, e, after=f" after {type(error).__name__}")
+    if dp.ft.pooled:  # recycling: moved to the pool at a point it cannot rejoin from; the others see it go
+        reason = f"left the pool after {type(error).__name__}: {error}"
+        print(f"[nanotron-recover] rank {dp.ft.rank}: {reason}; raised at:\n"
+              + "".join(traceback.format_tb(error.__traceback__)[-4:]), flush=True)
+        dp.ft.leave()
+        return EXIT_DONE, reason
+    traceback.print_exc()
+    sys.stderr.flush()
+    dp.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(EXIT_ABORTED)
+    return EXIT_ABORTED, "aborted"  # not reached: Abort ends the job

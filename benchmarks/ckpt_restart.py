@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import ModelSize, add_size_args, make_config, n_processes, size_from_args  # noqa: E402
-from benchmarks.lib.report import command_line, machine_line, md_table, write_json  # noqa: E402
+from benchmarks.lib.report import command_line, machine_line, md_table, plot_loss_and_progress, write_json  # noqa: E402
 from benchmarks.lib.timeline import Attempt, RunSummary, checkpoint_save_times, launch, summarize  # noqa: E402
 
 
@@ -225,39 +225,10 @@ def plot_runs(runs: Sequence[RunSummary], path: Path, title: str = "") -> None:
 
 
 def plot_curves(curves: dict[str, tuple[dict[int, float], list]], path: Path, title: str = "") -> None:
-    """``curves``: name -> ({step: loss}, [(process-seconds, committed tokens), ...]). Three panels: loss, loss
-    minus the ``reference`` run's (when there is one), committed tokens vs process-seconds."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 5))
-    styles = ["-", "--", "-.", ":", (0, (3, 1, 1, 1))]
-    ref = curves.get("reference", (None, None))[0]
-    for i, (name, (losses, progress)) in enumerate(curves.items()):
-        steps = sorted(losses)
-        ls = styles[i % len(styles)]
-        ax1.plot(steps, [losses[s] for s in steps], linestyle=ls, marker="o", markersize=2, label=name)
-        if ref:
-            common = [s for s in steps if s in ref]
-            ax3.plot(common, [losses[s] - ref[s] for s in common], linestyle=ls, marker="o", markersize=2, label=name)
-        ax2.step([p[0] for p in progress], [p[1] for p in progress], where="post", label=name, linestyle=ls)
-    ax1.set(xlabel="step", ylabel="training loss", title="loss (final trajectory)")
-    ax3.set(xlabel="step", ylabel="loss - reference loss", title="difference to the failure-free reference")
-    ax2.set(xlabel="process-seconds", ylabel="committed tokens", title="tokens vs process-seconds")
-    for ax in (ax1, ax2, ax3) if ref else (ax1, ax2):
-        ax.legend(fontsize=8)
-    if not ref:
-        ax3.text(0.5, 0.5, "no failure-free reference in this run", ha="center", transform=ax3.transAxes)
-    if title:
-        fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """``curves``: name -> ({step: loss}, [(process-seconds, committed tokens), ...]). Three panels: loss, |loss
+    minus the ``reference`` run's| (when there is one), committed tokens vs process-seconds (the run report's
+    plotting code: ``benchmarks.lib.report.plot_loss_and_progress``)."""
+    plot_loss_and_progress(curves, path, title)
 
 
 def replot(json_path: Path, png_path: Path) -> None:

@@ -64,9 +64,9 @@ def recover_failures(run: RunSummary, events: Sequence[FailureEvent], checkpoint
     the event's ``wall_time - total_ms``); it holds ULFM's failure notice latency plus the rank's own ``detect_ms``.
     repair: the repair events' ``total_ms`` (revoke + shrink + agree + rebuild). restore + orphan recompute: the
     failure step's ``step_time_s`` minus the median step time of up to 3 undisturbed steps before it, minus
-    detect and repair (not clipped: a negative value means the step-time noise is larger than this part): bucket restore, the failed replicas' microbatches recomputed by the
-    survivors, and the repeated reduction. Nothing finer is logged per step, so this is a difference of
-    measured step times and carries their noise.
+    detect and repair (not clipped: a negative value means the step-time noise is larger than this part): bucket
+    restore, the failed replicas' microbatches recomputed by the survivors, and the repeated reduction. Nothing finer is
+    logged per step, so this is a difference of measured step times and carries their noise.
     """
     a = run.attempts[0]
     steps = a.steps
@@ -100,7 +100,8 @@ def recover_failures(run: RunSummary, events: Sequence[FailureEvent], checkpoint
             "rebuild_ms": sum(e.get("rebuild_ms", 0) for e in repairs),
             "failure_step_time_s": fail_step,
             "normal_step_time_s": normal,
-            "restore_recompute_s": overrun - (detect_s if math.isfinite(detect_s) else 0) - repair_s,  # may be < 0: noise
+            "restore_recompute_s": overrun - (detect_s if math.isfinite(detect_s) else 0)
+                                   - repair_s,  # may be < 0: noise
             "total_s": overrun,  # what the failure cost this step, end to end
         })
     return out
@@ -150,7 +151,8 @@ def run_comparison(
         runs["recover_ff"] = run_single("recover_ff", out / "recover_ff", cfg({"enabled": True}), steps, timeout_s)
     runs["recover"] = run_single("recover", out / "recover", cfg({"enabled": True, "inject": inject}), steps, timeout_s)
     runs["shrinking"] = run_single("shrinking", out / "shrinking",
-                                   cfg({"enabled": True, "keep_global_batch": False, "inject": inject}), steps, timeout_s)
+                                   cfg({"enabled": True, "keep_global_batch": False, "inject": inject}),
+                                   steps, timeout_s)
     for name in ("recover", "shrinking"):
         runs[name].extra["failures"] = recover_failures(runs[name], events, None)
     for v in ("A", "B"):
@@ -175,8 +177,9 @@ def run_comparison(
         "tokens_recover_at_budget": tok_rec,
         "tokens_ckpt_restart_at_budget": tok_ckpt,
         "tokens_ratio_at_equal_process_seconds": (tok_rec / tok_ckpt) if tok_ckpt else float("inf"),
-        "effective_throughput_ratio_after_first_startup": (rec.committed_tokens / rec.process_seconds_after_first_startup)
-        / (ckpt.committed_tokens / ckpt.process_seconds_after_first_startup),
+        "effective_throughput_ratio_after_first_startup":
+            (rec.committed_tokens / rec.process_seconds_after_first_startup)
+            / (ckpt.committed_tokens / ckpt.process_seconds_after_first_startup),
     }
     if overhead_run:
         headline["overhead"] = overhead_of(runs["reference"], runs["recover_ff"], None)
@@ -185,7 +188,8 @@ def run_comparison(
 
 def write_report(result: dict, out: Path, *, command: str, title: str, setup: str) -> str:
     runs: dict[str, RunSummary] = result["runs"]
-    order = [n for n in ("reference", "recover_ff", "recover", "shrinking", "ckpt_restart_A", "ckpt_restart_B") if n in runs]
+    order = [n for n in ("reference", "recover_ff", "recover", "shrinking", "ckpt_restart_A", "ckpt_restart_B")
+             if n in runs]
     h = result["headline"]
     data = {
         "command": command, "machine": machine_line(), "setup": setup, "headline": h,
@@ -225,16 +229,16 @@ def write_report(result: dict, out: Path, *, command: str, title: str, setup: st
                     for n in ("ckpt_restart_A", "ckpt_restart_B")), "",
         f"Headline vs {h['baseline']} (the checkpoint-restart variant with the higher effective throughput): "
         f"effective throughput ratio {h['recover_vs_ckpt_restart_effective_throughput']:.3f}; at "
-        f"{h['equal_process_seconds_budget']:.1f} process-seconds ReCoVer committed {h['tokens_recover_at_budget']:.0f} "
-        f"tokens, checkpoint-restart {h['tokens_ckpt_restart_at_budget']:.0f} "
+        f"{h['equal_process_seconds_budget']:.1f} process-seconds ReCoVer committed "
+        f"{h['tokens_recover_at_budget']:.0f} tokens, checkpoint-restart {h['tokens_ckpt_restart_at_budget']:.0f} "
         f"(ratio {h['tokens_ratio_at_equal_process_seconds']:.3f}). Not counting each run's first startup "
         f"(launch -> first step of the first job, the part most exposed to other users' load): effective throughput "
         f"ratio {h['effective_throughput_ratio_after_first_startup']:.3f}.",
     ]
     if "overhead" in h:
         o = h["overhead"]
-        lines += ["", f"Failure-free overhead (one run each): ReCoVer median step {o['recover_median_step_s']:.4f} s vs "
-                      f"stock {o['stock_median_step_s']:.4f} s, ratio {o['ratio']:.3f}."]
+        lines += ["", f"Failure-free overhead (one run each): ReCoVer median step {o['recover_median_step_s']:.4f} "
+                      f"s vs stock {o['stock_median_step_s']:.4f} s, ratio {o['ratio']:.3f}."]
     md = "\n".join(lines) + "\n"
     (out / "compare.md").write_text(md)
     plot_runs([runs[n] for n in order if n != "recover_ff"], out / "compare.png", title=setup)

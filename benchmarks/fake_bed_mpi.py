@@ -1,7 +1,7 @@
 """MPI latency on the fake-node test bed, with ranks busy-polling and yielding (``mpi_yield_when_idle``).
 
-The bed (``nanotron_recover.testbed.fake_nodes``) runs several Open MPI nodes on one machine. PRRTE sees each node's slots
-filled, not exceeded, so by default a rank waiting in MPI busy-polls as on a real node; with more ranks than cores
+The bed (``nanotron_recover.testbed.fake_nodes``) runs several Open MPI nodes on one machine. PRRTE sees each node's
+slots filled, not exceeded, so by default a rank waiting in MPI busy-polls as on a real node; with more ranks than cores
 the waiting ranks then take the CPU from the ones that would answer. Measured: the mean time of an ``Allreduce``
 of 10 KB and of an ULFM ``Agree`` over all ranks, on one node (shared memory, and TCP) and on the bed (TCP between
 nodes) without and with yielding. The bed's own launch arguments yield.

@@ -281,8 +281,8 @@ def _false_kills(run_dir: Path, trial: Trial) -> list[str]:
     for record in read_metrics_jsonl(run_dir):
         if record.get("event") == "hang_detected" and record.get("reason") in ("silent", "stuck") \
                 and record.get("rank") is not None and record["rank"] // trial.shape.rpr not in replicas:
-            out.append(f"rank {record.get('rank')} {record['reason']} at step {record.get('step', record.get('last_step'))} "
-                       f"(load {os.getloadavg()[0]:.1f})")
+            out.append(f"rank {record.get('rank')} {record['reason']} at step "
+                       f"{record.get('step', record.get('last_step'))} (load {os.getloadavg()[0]:.1f})")
     return out
 
 

@@ -3,8 +3,9 @@
 Default setup (sized for a 2-core CPU machine): 8 replicas (TP1 x PP1, 8 processes) of a tiny Llama (hidden 128,
 4 layers, seq 128), M = 24 global microbatches per step (accumulation 3), 48 steps, checkpoint every 12 steps for
 checkpoint-restart; the schedule loses half the replicas in two events: replicas 7 and 6 at step 19, replicas 5
-and 4 at step 41 (backward phase, real SIGKILL; checkpoint-restart recomputes 6 + 4 steps). Two replicas per event because checkpoint-restart variant A relaunches on the
-survivors with the same M: 24 divides by 8, 6 and 4 (one replica per event would need M divisible by 7 and 5).
+and 4 at step 41 (backward phase, real SIGKILL; checkpoint-restart recomputes 6 + 4 steps). Two replicas per event
+because checkpoint-restart variant A relaunches on the survivors with the same M: 24 divides by 8, 6 and 4 (one replica
+per event would need M divisible by 7 and 5).
 
 Writes headline.json / headline.md / headline.png (loss curves of ReCoVer, the failure-free reference and both
 baselines, plus committed tokens vs process-seconds) under --out, and prints LAST, on one line:
@@ -123,7 +124,8 @@ def run_paper(args, size) -> str:
     data["headline"].update(predicted_from_committed_headline=pred, predicted_from_own_costs=own)
     write_json(out / "headline_paper.json", data)
     rows = [[r.name, len(r.attempts), r.final_step, round(r.wall_s, 1), round(r.process_seconds, 1),
-             r.committed_tokens, round(r.effective_throughput, 1), r.extra.get("recomputed_steps", 0)] for r in (rec, ckpt)]
+             r.committed_tokens, round(r.effective_throughput, 1), r.extra.get("recomputed_steps", 0)]
+            for r in (rec, ckpt)]
     from benchmarks.lib.report import md_table
 
     md = "\n".join([f"command: `{data['command']}`", "", f"machine: {data['machine']}", "", f"setup: {data['setup']}",

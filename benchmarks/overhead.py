@@ -81,12 +81,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def _plot(per_run: dict, path: Path, title: str) -> None:
-    import matplotlib
+    """Step time per step of every run, stock vs ReCoVer (drawn with the run report's figure code)."""
+    import textwrap
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from nanotron_recover.report.figure import new_figure, save_figure
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax,) = new_figure(1, 1, width=7, row_height=4)
     for name, runs in per_run.items():
         for i, r in enumerate(runs):
             ax.plot(range(1, len(r["step_times"]) + 1), [t * 1000 for t in r["step_times"]],
@@ -94,13 +94,9 @@ def _plot(per_run: dict, path: Path, title: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_yscale("log")
-    import textwrap
-
     ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=7)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         # what a transfer carries for one coordinate (the logging rank's): parameters, fp32 masters, Adam
         state_mb = sum(state["bytes"][k] for k in ("params", "masters", "optimizer")) / 1e6
         data[name] = {
-            "live_replicas_after": after[0]["live_replicas"], "median_step_s_after": median(s["step_time_s"] for s in after),
+            "live_replicas_after": after[0]["live_replicas"],
+            "median_step_s_after": median(s["step_time_s"] for s in after),
             "tokens_per_process_s": summary.effective_throughput, "tokens_per_process_s_after": tokens_after / ps_after,
             "formed_to_active_ms": activated[0]["formed_to_active_ms"] if activated else None,
             "transfer_ms": activated[0]["transfer_ms"] if activated else None, "state_mb_per_rank": state_mb,

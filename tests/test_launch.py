@@ -32,7 +32,8 @@ def _launcher(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
     """A real launcher process whose 'mpirun' is ``script`` (a stand-in for PRRTE's start-up, not for MPI)."""
     stand_in = tmp_path / "stand_in.py"
     stand_in.write_text(textwrap.dedent(script))
-    code = ("import sys; from pathlib import Path; from nanotron_recover import launch; launch.LAUNCH_RETRY_PAUSE_S = 0.0; "
+    code = ("import sys; from pathlib import Path; from nanotron_recover import launch; "
+            "launch.LAUNCH_RETRY_PAUSE_S = 0.0; "
             f"sys.exit(launch.launch_with_retries([sys.executable, {str(stand_in)!r}], Path({str(tmp_path)!r})))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 

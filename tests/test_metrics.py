@@ -125,7 +125,8 @@ def test_replay_plan_takes_the_records_after_the_sidecar_and_before_the_next_ste
     assert wandb_replay(records, logged_step=4) == [] and wandb_replay(records, None, before_step=1) == []
 
 
-def test_a_logging_rank_lost_without_finishing_wandb_is_replayed_in_full(tmp_path: Path, fake_wandb: list[_FakeRun]) -> None:
+def test_a_logging_rank_lost_without_finishing_wandb_is_replayed_in_full(tmp_path: Path,
+                                                                          fake_wandb: list[_FakeRun]) -> None:
     first = MetricsLogger(tmp_path, True, {"project": "test"})
     for step in range(4):
         first.log_step({"step": step, "loss": 10.0 - step})
@@ -160,7 +161,8 @@ def test_after_a_clean_finish_only_the_later_records_are_replayed(tmp_path: Path
     assert read_logged_step(tmp_path) == 4
 
 
-def test_wandb_failure_does_not_stop_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_wandb_failure_does_not_stop_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     import wandb
 
     def broken_init(*args: object, **kwargs: object) -> None:
@@ -183,7 +185,8 @@ def test_wandb_can_be_switched_off_in_config(tmp_path: Path) -> None:
     log.close()
 
 
-def test_a_new_logging_rank_starts_wandb_inside_its_slow_io_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_logging_rank_starts_wandb_inside_its_slow_io_guard(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Starting wandb takes seconds (a service process, then the replay); a rank that becomes the logging rank
     mid-run does it inside a step, so the trainer tells the hang monitor through ``slow_io``. Real wandb, offline."""
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -15,6 +15,8 @@ from nanotron_recover.inject import FailureInjector, FailureSpec, marker_name
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.run_folder import (
     has_provoked_hang,
+    last_logged_step,
+    read_exits,
     read_kills,
     read_metrics,
     read_metrics_jsonl,
@@ -32,7 +34,8 @@ def _write(run: Path, text: str) -> None:
 
 
 def test_a_torn_last_line_is_skipped_by_every_reader(tmp_path: Path) -> None:
-    _write(tmp_path, '{"step": 1, "loss": 2.0}\n{"event": "repair", "step": 2}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    _write(tmp_path, '{"step": 1, "loss": 2.0}\n{"event": "repair", "step": 2}\n{"step": 2, "loss": 1.5}\n'
+                     '{"step": 3, "lo')
     assert [r.get("event", "step") for r in read_metrics_jsonl(tmp_path)] == ["step", "repair", "step"]
     steps, events = read_metrics(tmp_path)
     assert [s["step"] for s in steps] == [1, 2] and [e["event"] for e in events] == ["repair"]
@@ -40,7 +43,8 @@ def test_a_torn_last_line_is_skipped_by_every_reader(tmp_path: Path) -> None:
 
 
 def test_read_metrics_keeps_the_last_record_of_a_replayed_step(tmp_path: Path) -> None:
-    _write(tmp_path, "".join(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in [(1, 3.0), (2, 2.0), (2, 2.5), (3, 1.0)]))
+    _write(tmp_path, "".join(json.dumps({"step": s, "loss": loss}) + "\n"
+                             for s, loss in [(1, 3.0), (2, 2.0), (2, 2.5), (3, 1.0)]))
     steps, _ = read_metrics(tmp_path)
     assert [(s["step"], s["loss"]) for s in steps] == [(1, 3.0), (2, 2.5), (3, 1.0)]
 
@@ -56,8 +60,10 @@ def test_read_kills_reads_the_injectors_records(tmp_path: Path, monkeypatch: pyt
     kills = []
     monkeypatch.setattr("os.kill", lambda pid, sig: kills.append(sig))  # the record is written before the kill
     monkeypatch.setattr("time.sleep", lambda s: None)
-    FailureInjector([{"step": 3, "replica": 1, "rank": 0, "phase": "backward"}], 1, 0, run_dir=tmp_path).maybe_fail(3, "backward")
-    FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1, run_dir=tmp_path).maybe_fail(2, "reduce")
+    FailureInjector([{"step": 3, "replica": 1, "rank": 0, "phase": "backward"}], 1, 0,
+                    run_dir=tmp_path).maybe_fail(3, "backward")
+    FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1,
+                    run_dir=tmp_path).maybe_fail(2, "reduce")
     assert len(kills) == 2
     assert not has_provoked_hang(tmp_path)  # kills end a rank: no hang is expected
     startup = FailureSpec.from_dict({"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": "after_mpi_init",
@@ -101,3 +107,13 @@ def test_slurm_outcome_helper(tmp_path: Path, logged: int, rc: int, verdict: str
                            str(tmp_path), "--train-steps", "4", "--mpirun-rc", str(rc)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == code and proc.stdout.split()[0] == verdict, proc.stdout + proc.stderr
+
+
+def test_records_that_are_not_ours_are_skipped(tmp_path: Path) -> None:
+    _write(tmp_path, '{"step": "x", "loss": 1.0}\n{"step": 2, "loss": 1.5}\n')
+    (tmp_path / "exits").mkdir()
+    (tmp_path / "exits" / "rank-0.json").write_text('{"code": 0}')  # no rank
+    (tmp_path / "exits" / "rank-1.json").write_text('{"rank": 1, "code": 3, "reason": "r"}')
+    steps, _ = read_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [2] and last_logged_step(tmp_path) == 2
+    assert list(read_exits(tmp_path)) == [1]

@@ -21,7 +21,8 @@ def test_a_segfault_inside_open_mpi_is_named() -> None:
 
 
 def test_other_crashes_and_errors_are_not_excused() -> None:
-    in_torch = OPEN_MPI_SEGFAULT.replace("/work/main/.venv/lib/libmpi.so.40", "/site-packages/torch/lib/libtorch_cpu.so")
+    in_torch = OPEN_MPI_SEGFAULT.replace("/work/main/.venv/lib/libmpi.so.40",
+                                         "/site-packages/torch/lib/libtorch_cpu.so")
     assert open_mpi_crash([in_torch]) is None
     assert open_mpi_crash(["RuntimeError: run failed with exit code 3", "MPI_ERR_PROC_FAILED: Process Failure"]) is None
     assert open_mpi_crash([OPEN_MPI_SEGFAULT.replace("Segmentation fault (11)", "Aborted (6)")]) is None

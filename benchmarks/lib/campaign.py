@@ -152,7 +152,8 @@ def draw_trial(seed: int, shapes: tuple[Shape, ...] = SHAPES, kinds: tuple[str, 
     elif kind in ("startup-kill", "startup-stop"):
         trial.external.append(ExternalFault(kind[8:], [rng.randrange(shape.world_size)], 0, rng.uniform(0.0, 4.0)))
     elif kind == "pair-same-replica":
-        trial.external.append(ExternalFault("kill", rng.sample(range(replica * shape.rpr, (replica + 1) * shape.rpr), 2),
+        trial.external.append(ExternalFault("kill",
+                                            rng.sample(range(replica * shape.rpr, (replica + 1) * shape.rpr), 2),
                                             step - 1, rng.uniform(0.0, 0.1)))
     elif kind == "pair-two-replicas":
         first, second = rng.sample(range(shape.replicas), 2)

@@ -10,8 +10,8 @@ Definitions (also in benchmarks/RESULTS.md):
 * process-seconds: the integral over the run of the number of live processes (our stand-in for GPU-hours).
   A process counts from its job's launch until it dies (the injected SIGKILL), its replica is evicted (ReCoVer:
   the repair's end), or its job ends. With ``fault_tolerance.recycle`` nobody is evicted: a survivor waiting in the
-  pool still holds its hardware and counts as live. Gaps between a dead job and its relaunch count with the processes the
-  relaunch will hold (the allocation is held while waiting).
+  pool still holds its hardware and counts as live. Gaps between a dead job and its relaunch count with the processes
+  the relaunch will hold (the allocation is held while waiting).
 * committed tokens: tokens of the steps in the final trajectory (a step recomputed after a restart counts once).
 * effective throughput: committed tokens / process-seconds (= tokens / second / live process).
 * progress curve: (process-seconds so far, committed tokens of the newest step whose state still exists). A
@@ -151,8 +151,9 @@ class RunSummary:
             "committed_tokens": self.committed_tokens,
             "effective_throughput_tokens_per_process_s": self.effective_throughput,
             "process_seconds_after_first_startup": self.process_seconds_after_first_startup,
-            "effective_throughput_after_first_startup": (self.committed_tokens / self.process_seconds_after_first_startup
-                                                         if self.process_seconds_after_first_startup else 0.0),
+            "effective_throughput_after_first_startup": (
+                self.committed_tokens / self.process_seconds_after_first_startup
+                if self.process_seconds_after_first_startup else 0.0),
             "final_loss": self.final_loss,
             "launches": len(self.attempts),
             "losses": {str(k): v["loss"] for k, v in sorted(self.trajectory.items())},
@@ -169,7 +170,8 @@ class RunSummary:
         }
 
 
-def summarize(name: str, attempts: list[Attempt], target_steps: int, rpr: int, gap_procs: Sequence[int] | None = None) -> RunSummary:
+def summarize(name: str, attempts: list[Attempt], target_steps: int, rpr: int,
+              gap_procs: Sequence[int] | None = None) -> RunSummary:
     """Segments of live processes, the final trajectory and the progress curve of a run of 1+ attempts.
 
     ``gap_procs[i]``: processes held during the gap before attempt i+1 (default: attempt i+1's size).

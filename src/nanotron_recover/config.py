@@ -64,8 +64,8 @@ class FaultToleranceArgs:
             0 turns it off.
         local_snapshot_dir: where (memory: ``/dev/shm/nanotron-recover-<uid>`` by default); one folder per run and
             node inside it. Private to the user: a folder owned by another user is refused (snapshots off).
-        local_snapshot_max_gb: the most the snapshots of one node may take (up to three copies per rank: two complete, one being written); None: half the
-            free space of ``local_snapshot_dir``. Checked before launch.
+        local_snapshot_max_gb: the most the snapshots of one node may take (up to three copies per rank: two complete,
+            one being written); None: half the free space of ``local_snapshot_dir``. Checked before launch.
         recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
             replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
             (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas.
@@ -265,7 +265,8 @@ def _validate_inject(config: RecoverConfig) -> None:
         if inj.phase != "startup":
             _check(1 <= inj.step <= tok.train_steps, f"{key}.step", f"{inj.step} is outside 1..{tok.train_steps}")
         _check(0 <= inj.replica < fault_ids, f"{key}.replica",
-               f"{inj.replica} is outside 0..{fault_ids - 1} (dp + spare_replicas{', + formed replicas' if ft.recycle else ''})")
+               f"{inj.replica} is outside 0..{fault_ids - 1} "
+               f"(dp + spare_replicas{', + formed replicas' if ft.recycle else ''})")
         _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
                f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (ranks per replica)")
         if inj.phase == "checkpoint":

@@ -206,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="simulate failures on a cluster: ETTR per policy, recommended settings")
     add_plan_arguments(plan)
     plan.set_defaults(func=run_plan)
+    from nanotron_recover.report.cli import add_report_arguments, run_report  # matplotlib only when drawing
+
+    report = sub.add_parser("report", help="what happened to a run: a summary on stdout and a figure")
+    add_report_arguments(report)
+    report.set_defaults(func=run_report)
     return parser
 
 

@@ -14,8 +14,8 @@ that takes over, a relaunch) first re-logs every JSONL record with a step after 
 there is no sidecar) and before the step it is about to log (:func:`wandb_replay`). After a clean handover
 that is nothing; after a SIGKILL it may re-send rows the dead process did persist (wandb ignores a row whose
 step is not above its run's current step when the halves are synced into one run; not checked against a
-server here, this machine is offline). A row is never missing. The replay costs about 0.3 ms a record (10,000 records in ~3 s offline on this CPU), once per
-takeover.
+server here, this machine is offline). A row is never missing. The replay costs about 0.3 ms a record (10,000 records in
+~3 s offline on this CPU), once per takeover.
 
 wandb is optional at run time: it is imported lazily (the import alone costs ~0.7 s) and any wandb failure
 only disables wandb, never training.
@@ -187,7 +187,8 @@ class MetricsLogger:
         except Exception as exc:  # wandb must never take training down
             self._wandb_failed = True
             self._wandb_run = None
-            logger.warning("metrics: wandb disabled (%s: %s); metrics still go to %s", type(exc).__name__, exc, self.path)
+            logger.warning("metrics: wandb disabled (%s: %s); metrics still go to %s", type(exc).__name__, exc,
+                           self.path)
             return None
         try:
             self._replay(self._wandb_run, before_step)

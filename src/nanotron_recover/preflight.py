@@ -35,7 +35,8 @@ def apply_overrides(
             raise ConfigError(f"--train-steps must be >= 1, got {train_steps}")
         config.tokens.train_steps = train_steps
         lr = config.optimizer.learning_rate_scheduler if config.optimizer else None
-        if lr is not None and lr.lr_decay_steps is not None and lr.lr_decay_steps + (lr.lr_warmup_steps or 0) > train_steps:
+        if lr is not None and lr.lr_decay_steps is not None \
+                and lr.lr_decay_steps + (lr.lr_warmup_steps or 0) > train_steps:
             lr.lr_decay_steps = max(1, train_steps - (lr.lr_warmup_steps or 0))
 
 
@@ -85,7 +86,8 @@ def _check_precision(config: RecoverConfig) -> None:
 
 def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_dir: Path) -> None:
     """Before launch: three snapshots per rank (two complete, one being written) of this node must fit
-    ``local_snapshot_max_gb`` and the free space of ``local_snapshot_dir`` (this run's own older snapshots there count as free: they are replaced)."""
+    ``local_snapshot_max_gb`` and the free space of ``local_snapshot_dir`` (this run's own older snapshots there count
+    as free: they are replaced)."""
     ft = config.fault_tolerance
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return

@@ -152,14 +152,14 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     for record in read_metrics_jsonl(run_dir):
         if "event" in record:
             events.append(record)
-        elif "step" in record:
-            steps[int(record["step"])] = record
+        elif isinstance(record.get("step"), int):
+            steps[record["step"]] = record
     return [steps[k] for k in sorted(steps)], events
 
 
 def last_logged_step(run_dir: Path) -> int:
     """The highest ``step`` of a per-step record (0 if none)."""
-    steps = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    steps = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r and isinstance(r.get("step"), int)]
     return max(steps, default=0)
 
 
@@ -199,9 +199,10 @@ def read_exits(run_dir: Path) -> dict[int, dict[str, Any]]:
     for path in (Path(run_dir) / EXITS_DIR).glob("rank-*.json"):
         try:
             record = json.loads(path.read_text())
-        except ValueError:  # not ours: no record
+        except (OSError, ValueError):  # not ours, or gone: no record
             continue
-        out[int(record["rank"])] = record
+        if isinstance(record, dict) and isinstance(record.get("rank"), int):
+            out[record["rank"]] = record
     return out
 
 

@@ -48,7 +48,7 @@ class CommittedStep:
     epoch: int = 0
     live_replicas: int = 1
     recoveries: int = 0
-    quotas: dict[int, int] | None = None  # microbatches per computing replica (recycling: logged per step)
+    quotas: dict[int, int] | None = None  # microbatches per computing replica (logged per step)
 
 
 class MetricsSink(Protocol):

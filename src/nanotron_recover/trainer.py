@@ -65,17 +65,20 @@ class RecoverTrainer:
         self._build_replica_state()
         self.engine = build_engine(config.parallelism.pp_engine)
         self.dataset = build_dataset(
-            config.data, config.tokens, microbatches_per_step=self.M, model_vocab_size=config.model.model_config.vocab_size
+            config.data, config.tokens, microbatches_per_step=self.M,
+            model_vocab_size=config.model.model_config.vocab_size
         )
-        self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(), wandb_config=_wandb_config(config))
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(),
+                                     wandb_config=_wandb_config(config))
         self.metrics.slow_io = lambda: self.dp.slow_io(Phase.METRICS_IO)  # a new logging rank starts wandb mid-step
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
         self.step = 0
         self.services = StepServices(
-            compute=self.compute, fault_point=self._fault_point, metrics=self.metrics, last_record=lambda: self.last_record,
-            release_replica=self._release_replica_state, rebuild_replica=self._rebuild_replica_state,
+            compute=self.compute, fault_point=self._fault_point, metrics=self.metrics,
+            last_record=lambda: self.last_record, release_replica=self._release_replica_state,
+            rebuild_replica=self._rebuild_replica_state,
         )
         self.grad_norm: float | None = None
         self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
@@ -235,7 +238,8 @@ class RecoverTrainer:
         """Bytes of training state per parameter on the logging rank (``benchmarks/precision_bench.py``)."""
         if self.metrics.enabled:
             state = training_state_bytes(self.named_params, self.optimizer, getattr(self.dp, "buckets", None))
-            self.metrics.log_event({"event": "training_state", "step": step, "dtype": str(self.config.model.dtype), **state})
+            self.metrics.log_event({"event": "training_state", "step": step, "dtype": str(self.config.model.dtype),
+                                    **state})
 
     def train_step(self, step: int) -> CommittedStep:
         self._current_step = step
@@ -253,7 +257,8 @@ class RecoverTrainer:
 
     def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
         """Save the committed state of ``step``; the strategy decides who writes and publishes."""
-        self.dp.progress(step, Phase.CHECKPOINT)  # a save may take up to startup_timeout_s (the hang monitor's allowance)
+        # a save may take up to startup_timeout_s (the hang monitor's allowance)
+        self.dp.progress(step, Phase.CHECKPOINT)
         def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
             self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra)
 

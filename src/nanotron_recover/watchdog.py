@@ -10,8 +10,8 @@ stuck in C code holding the GIL.
 
 :func:`end_job` ends every rank of the job at once, frozen ones included: it SIGTERMs the rank's Open MPI daemon
 (``prterun`` / ``prted``), which tears the whole job down (on another node, a lost daemon ends the job too; see
-README, "Running on many nodes"). The run dir then holds no final step, so the Slurm outcome helper says "restart" and the relaunch
-resumes from ``latest.txt``.
+README, "Running on many nodes"). The run dir then holds no final step, so the Slurm outcome helper says "restart" and
+the relaunch resumes from ``latest.txt``.
 
 Standard library only: this module runs before ``MPI_Init``.
 """

@@ -1,9 +1,10 @@
 """The torch worlds: one per replica (ReCoVer), or one over every rank (stock nanotron).
 
 ReCoVer layout (see :class:`nanotron_recover.ft.layout.ReplicaLayout`): world rank ``r`` belongs to replica
-``r // (tp * pp)``; inside its replica it has local rank ``r % (tp * pp) = pp_rank * tp + tp_rank``. Each replica runs its own torch
-default process group over only its ranks, so TP/PP traffic never touches another replica's sockets: a failure
-in one replica cannot block another. The replica's rendezvous (a TCPStore on its local rank 0) is agreed over MPI.
+``r // (tp * pp)``; inside its replica it has local rank ``r % (tp * pp) = pp_rank * tp + tp_rank``. Each replica runs
+its own torch default process group over only its ranks, so TP/PP traffic never touches another replica's sockets: a
+failure in one replica cannot block another. The replica's rendezvous (a TCPStore on its local rank 0) is agreed over
+MPI.
 
 Stock layout (fault tolerance off): one torch world over all ranks, nanotron's own (pp, dp, tp) order.
 """

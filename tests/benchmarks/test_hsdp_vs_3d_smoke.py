@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 LINE = re.compile(
-    r"^hsdp_vs_3d_effective_throughput=(\S+) hsdp_vs_3d_tp2_effective_throughput=(\S+) hsdp_vs_3d_step_throughput=(\S+)$"
+    r"^hsdp_vs_3d_effective_throughput=(\S+) hsdp_vs_3d_tp2_effective_throughput=(\S+) "
+    r"hsdp_vs_3d_step_throughput=(\S+)$"
 )
 
 

@@ -24,7 +24,8 @@ from nanotron_recover.data import (
 )
 
 
-def _write_ds(folder: Path, sizes: list[int], token_size: int = 2, vocab: int = 1000, with_manifest: bool = True) -> list[np.ndarray]:
+def _write_ds(folder: Path, sizes: list[int], token_size: int = 2, vocab: int = 1000,
+              with_manifest: bool = True) -> list[np.ndarray]:
     """Token files whose token t of file f is (f * 7919 + t) % vocab, so every window is recognisable."""
     folder.mkdir(parents=True, exist_ok=True)
     dtype = "<u2" if token_size == 2 else "<u4"
@@ -77,7 +78,8 @@ def test_microbatch_format_and_content(tmp_path: Path) -> None:
     assert ds.num_samples == len(flat_windows) == 13
     batch = ds.microbatch(5, 1)
     assert set(batch) == {"input_ids", "input_mask", "label_ids", "label_mask"}
-    for key, dtype in (("input_ids", torch.int64), ("label_ids", torch.int64), ("input_mask", torch.bool), ("label_mask", torch.bool)):
+    for key, dtype in (("input_ids", torch.int64), ("label_ids", torch.int64), ("input_mask", torch.bool),
+                       ("label_mask", torch.bool)):
         assert batch[key].dtype == dtype and batch[key].shape == (3, 4)
     assert batch["input_mask"].all() and batch["label_mask"].all()
     for row, sid in enumerate(ds.sample_ids(5, 1).tolist()):
@@ -170,7 +172,8 @@ def test_dataset_errors(tmp_path: Path) -> None:
 
 
 def test_synthetic_is_deterministic_and_learnable() -> None:
-    syn = SyntheticTokenDataset(vocab_size=32000, sequence_length=64, micro_batch_size=4, microbatches_per_step=2, seed=3)
+    syn = SyntheticTokenDataset(vocab_size=32000, sequence_length=64, micro_batch_size=4, microbatches_per_step=2,
+                                seed=3)
     again = SyntheticTokenDataset(32000, 64, 4, 2, seed=3)
     a, b = syn.microbatch(9, 1), again.microbatch(9, 1)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -139,7 +139,8 @@ def test_bad_input_is_explained(tmp_path: Path, content: str, message: str) -> N
     assert not list((tmp_path / "out").glob("*.ds")) and not (tmp_path / "out" / "_prepare_work").exists()
 
 
-def test_missing_paths_and_overwrite(prepared: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_missing_paths_and_overwrite(prepared: tuple[Path, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture) -> None:
     src, out = prepared
     with pytest.raises(DataPreparationError, match="does not exist"):
         prepare_data(tmp_path / "nope.jsonl", tmp_path / "o", log=None)

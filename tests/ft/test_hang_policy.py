@@ -107,4 +107,5 @@ def test_slow_io_is_judged_by_the_io_allowance_and_returns_to_the_phase_it_inter
         pass
     assert (progress.where, progress.step, progress.state) == ("repair", 5, BUSY)
     assert policy.busy_limit_s(progress.where) == 8
-    assert policy.is_slow_io("checkpoint") and policy.is_slow_io(Phase.METRICS_IO) and not policy.is_slow_io("optimizer")
+    assert (policy.is_slow_io("checkpoint") and policy.is_slow_io(Phase.METRICS_IO)
+            and not policy.is_slow_io("optimizer"))

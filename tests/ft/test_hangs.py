@@ -118,7 +118,8 @@ def test_a_main_thread_stuck_in_compute_kills_its_own_rank(tiny_config, referenc
     assert stuck and all(h["rank"] in range(RPR) and h["step"] == FAULT_STEP for h in stuck), stuck
     # each left its threads' stacks; the hung rank's main thread is in the injector's endless wait
     stacks = {h["rank"]: Path(h["stacks_file"]).read_text() for h in stuck}
-    assert all(text.startswith("thread MainThread:") and "thread hang-monitor:" in text for text in stacks.values()), stacks
+    assert all(text.startswith("thread MainThread:") and "thread hang-monitor:" in text
+               for text in stacks.values()), stacks
     assert 3 not in stacks or "maybe_fail" in stacks[3].split("\nthread ")[0], stacks[3]
     exits = read_exits(tmp_path)
     assert 3 not in exits or "evicted" in exits[3]["reason"], exits  # the hung rank is gone

@@ -34,7 +34,8 @@ def reference_losses(tiny_config, tmp_path_factory, *, dp: int, tp: int = 1, pp:
     key = (dp, tp, pp)
     if key not in _REFERENCES:
         config = ft_config(tiny_config, dp=dp, tp=tp, pp=pp, inject=[])
-        result = run_training(config, tmp_path_factory.mktemp("ref"), timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+        result = run_training(config, tmp_path_factory.mktemp("ref"), timeout_s=TIMEOUT_S,
+                              extra_args=["--synthetic-data"])
         assert len(result.steps) == STEPS, result.output[-3000:]
         _REFERENCES[key] = np.array(result.losses)
     return _REFERENCES[key]

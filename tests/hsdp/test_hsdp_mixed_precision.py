@@ -19,7 +19,8 @@ STEPS = 12
 SAVE_AT = 6
 TIMEOUT_S = 300
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5 * TIMEOUT_S)]
-KILLS = [{"step": 4, "replica": 1, "rank": 0, "phase": "backward"}, {"step": 9, "replica": 2, "rank": 1, "phase": "reduce"}]
+KILLS = [{"step": 4, "replica": 1, "rank": 0, "phase": "backward"},
+         {"step": 9, "replica": 2, "rank": 1, "phase": "reduce"}]
 
 
 def bf16_hsdp(*, dp: int = 3, accumulation: int = 2, inject: list | None = None) -> dict:

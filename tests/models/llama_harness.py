@@ -53,7 +53,8 @@ def tiny_config(tied: bool = False, layers: int = 2) -> LlamaConfig:
     )
 
 
-def parallelism(dp: int = 1, pp: int = 1, tp: int = 1, engine: str = "afab", mode: str = "all_reduce") -> ParallelismArgs:
+def parallelism(dp: int = 1, pp: int = 1, tp: int = 1, engine: str = "afab",
+                mode: str = "all_reduce") -> ParallelismArgs:
     return ParallelismArgs(dp=dp, pp=pp, tp=tp, pp_engine=engine, tp_mode=mode, tp_linear_async_communication=False)
 
 
@@ -93,5 +94,6 @@ def run_module(
         if launch_failure(proc.returncode, (proc.stdout + proc.stderr).encode()) is None:
             break
     if proc.returncode != 0:
-        raise AssertionError(f"{module} rc={proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{module} rc={proc.returncode}\nstdout:\n{proc.stdout[-6000:]}"
+                             f"\nstderr:\n{proc.stderr[-6000:]}")
     return proc

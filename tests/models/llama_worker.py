@@ -36,7 +36,8 @@ SCENARIOS = {
 
 def build(config_key: str, tp: int, pp: int, dp: int, engine: str, mode: str):
     pc = ReplicaParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
-    model = build_llama(CONFIGS[config_key], pc, H.parallelism(dp, pp, tp, engine, mode), torch.float32, torch.device("cpu"))
+    model = build_llama(CONFIGS[config_key], pc, H.parallelism(dp, pp, tp, engine, mode), torch.float32,
+                        torch.device("cpu"))
     init_weights(model, std=STD, seed=SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     return pc, model, build_engine(engine), optimizer
@@ -71,7 +72,8 @@ def shard_diff(local: torch.Tensor, param: torch.Tensor, full: torch.Tensor) -> 
     if isinstance(param, NanotronParameter) and param.is_sharded:
         info = param.get_sharded_info()
         assert tuple(full.shape) == tuple(info.unsharded_shape), (full.shape, info.unsharded_shape)
-        return max((local[p.local_slices] - full[p.global_slices]).abs().max().item() for p in info.local_global_slices_pairs)
+        return max((local[p.local_slices] - full[p.global_slices]).abs().max().item()
+                   for p in info.local_global_slices_pairs)
     return (local - full).abs().max().item()
 
 

@@ -222,7 +222,8 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
     lost2 = second[-1]["step"] - ckpt2
     assert ckpt2 is not None and 0 <= lost2 <= INTERVAL, (ckpt2, second[-1])
     # steps the survivors still repaired and committed after a loss, before PRRTE's teardown reached them
-    raced = [s["step"] for s in first_steps if s["time"] > lost_at] + [s["step"] for s in second if s["time"] > lost2_at]
+    raced = ([s["step"] for s in first_steps if s["time"] > lost_at]
+             + [s["step"] for s in second if s["time"] > lost2_at])
     before = lambda steps, t: max(s["step"] for s in steps if s["time"] <= t)  # noqa: E731 - last step before t
     report.append(f"node 3 lost after step {before(first_steps, lost_at)}: resumed from {ckpt1} on 2 nodes, "
                   f"{lost1} step(s) lost, training again {again1:.1f} s after the loss")

@@ -27,7 +27,8 @@ def main(out: str) -> None:
     rank = torch_dist.get_rank()
     report = {}
     pc = ReplicaParallelContext(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=1)
-    report["tp2pp2"] = {"tp": ranks(pc.tp_pg), "pp": ranks(pc.pp_pg), "dp": ranks(pc.dp_pg), "world": ranks(pc.world_pg)}
+    report["tp2pp2"] = {"tp": ranks(pc.tp_pg), "pp": ranks(pc.pp_pg), "dp": ranks(pc.dp_pg),
+                        "world": ranks(pc.world_pg)}
     pc.release_groups()
     pc = ReplicaParallelContext(
         tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=2, timeout=datetime.timedelta(seconds=2)
@@ -44,7 +45,8 @@ def main(out: str) -> None:
     got = p2p.recv_tensors(1, from_rank=peer) + p2p.recv_tensors(1, from_rank=peer)
     p2p.wait_sends()
     other = torch_dist.get_process_group_ranks(pc.dp_pg)[peer]
-    report["p2p_ok"] = bool(torch.equal(got[0], torch.full((3, 5), float(other))) and torch.equal(got[1], torch.arange(7.0) + other))
+    report["p2p_ok"] = bool(torch.equal(got[0], torch.full((3, 5), float(other)))
+                            and torch.equal(got[1], torch.arange(7.0) + other))
 
     # short timeout: rank 0 all-reduces on its tp group, rank 1 never joins
     if rank == 0:

@@ -65,7 +65,8 @@ def noise_floor(main_comparison, tmp_path_factory) -> float:
     """Failure-free 4 replicas vs failure-free 2 replicas with doubled quotas: the summation-order noise."""
     _, reference, _ = main_comparison
     two = equivalence.reference_config(base_config(), "recover", reference_dp=2)
-    result = run_training(two, tmp_path_factory.mktemp("two_replicas"), timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    result = run_training(two, tmp_path_factory.mktemp("two_replicas"), timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
     floor = max_loss_diff(reference, result)
     print(f"\nnoise floor (4 vs 2 replicas, failure-free): max_abs_loss_diff={floor:.3e}")
     return floor

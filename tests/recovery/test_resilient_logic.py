@@ -169,6 +169,7 @@ def test_a_failure_before_the_commit_restores_recomputes_the_orphans_and_commits
     result = strategy.forward_backward_reduce(STEP, services(training, sink))
 
     assert training.computed == [plan[0], extra[0]]  # its own share once, then only its orphans
+    assert result.quotas == {0: len(plan[0]) + len(extra[0]), 2: survivor}  # logged every step: sums to M
     assert result.microbatches == M and result.recoveries == 1 and result.epoch == 1 and result.live_replicas == 2
     np.testing.assert_array_equal(committed_gradient(training), np.full_like(committed_gradient(training), M))
     assert not strategy.buckets.has_snapshot(STEP)  # released at the commit

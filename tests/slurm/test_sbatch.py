@@ -8,8 +8,8 @@
    save: latest.txt still names the previous checkpoint, the relaunch loads it and finishes.
 
 Hard timeouts: every wait has its own deadline (job polling, ``run_training``, the kill loop); a job that
-overruns is scancelled. The cluster comes up once for the module (scripts/slurm/cluster.sh, everything under a scratch folder) and is
-torn down at the end, also on failure. Needs root and Debian's slurmctld/slurmd/slurm-client/munge
+overruns is scancelled. The cluster comes up once for the module (scripts/slurm/cluster.sh, everything under a scratch
+folder) and is torn down at the end, also on failure. Needs root and Debian's slurmctld/slurmd/slurm-client/munge
 (scripts/ci_install_slurm.sh); skipped without them.
 """
 
@@ -103,7 +103,8 @@ def _ft_config(**ft: object) -> dict:
 # ------------------------------------------------------------------------------------------------ 1. sbatch
 @needs_slurm
 def test_sbatch_single_node_survives_a_replica_loss(cluster: Cluster, tmp_path: Path) -> None:
-    config = write_config(_ft_config(min_replicas=1, inject=[{"step": 4, "replica": 1, "rank": 0, "phase": "backward"}]),
+    config = write_config(_ft_config(min_replicas=1,
+                                     inject=[{"step": 4, "replica": 1, "rank": 0, "phase": "backward"}]),
                           tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="none"),
@@ -125,7 +126,8 @@ def test_sbatch_single_node_survives_a_replica_loss(cluster: Cluster, tmp_path: 
 def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster: Cluster, tmp_path: Path) -> None:
     # min_replicas = 2 and one replica dies in step 5: the survivor checkpoints step 4 and exits 3; the script
     # requeues the job through Slurm; the new instance resumes from step 4 and replays step 5.
-    config = write_config(_ft_config(min_replicas=2, inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}]),
+    config = write_config(_ft_config(min_replicas=2,
+                                     inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}]),
                           tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),

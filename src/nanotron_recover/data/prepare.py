@@ -123,7 +123,9 @@ def _iter_jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
                 )
             text = record[text_key]
             if not isinstance(text, str):
-                raise DataPreparationError(f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, not a string")
+                raise DataPreparationError(
+                    f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, not a string"
+                )
             yield text
 
 
@@ -229,7 +231,9 @@ def _clear_outputs(output: Path, overwrite: bool) -> None:
     if not existing:
         return
     if not overwrite:
-        raise DataPreparationError(f"output folder {output} already holds prepared data; pass --overwrite to replace it")
+        raise DataPreparationError(
+            f"output folder {output} already holds prepared data; pass --overwrite to replace it"
+        )
     for path in output.glob("*.ds*"):
         path.unlink()
     (output / MANIFEST_NAME).unlink(missing_ok=True)
@@ -273,7 +277,9 @@ def prepare_data(
     try:
         source = _read_source(input_path, work, text_key, say, seconds)
         tokenizer = _install_tokenizer(source, tokenizer_path, vocab_size, eos_token, output, say, seconds)
-        files, num_tokens, token_size = _tokenize_and_merge(source, tokenizer, output, work, shuffle, seed, say, seconds)
+        files, num_tokens, token_size = _tokenize_and_merge(
+            source, tokenizer, output, work, shuffle, seed, say, seconds
+        )
         result = PrepareResult(
             output_folder=str(output),
             tokenizer_path=TOKENIZER_NAME,

@@ -319,16 +319,16 @@ class HangMonitor:
                 limit = max(limit, self.policy.busy_limit_s(io))
             if idle >= limit:
                 self._report({"reason": "stuck", "rank": self.rank, "host": self.hosts[self.rank],
-                              "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3), "timeout_s": limit,
-                              "stacks": thread_stacks()})
+                              "pid": os.getpid(), "step": step, "where": where, "stuck_s": round(idle, 3),
+                              "timeout_s": limit, "stacks": thread_stacks()})
                 self._ended = True
                 os.kill(os.getpid(), signal.SIGKILL)
         else:
             self.margin.max_waiting_s = max(self.margin.max_waiting_s, idle)
             limit = self.policy.stall_limit_s
             if idle >= limit and not any(not k.confirmed for k in self._kills):
-                self._give_up(f"rank {self.rank} waited {idle:.0f} s in {where} at step {step} (stall limit {limit:.0f} s) and no "
-                              "rank was found frozen or stuck")
+                self._give_up(f"rank {self.rank} waited {idle:.0f} s in {where} at step {step} "
+                              f"(stall limit {limit:.0f} s) and no rank was found frozen or stuck")
 
     def _check_kills(self, now: float) -> None:
         for order in self._kills:

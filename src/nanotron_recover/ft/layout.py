@@ -1,8 +1,8 @@
 """Which original world rank is which replica / local rank, and how to rebuild communicators from it.
 
 ``world_size = n_replicas * ranks_per_replica``: world rank ``r`` belongs to replica ``r // ranks_per_replica``
-with local rank ``r % ranks_per_replica`` (its (pp, tp) coordinate, or its FSDP shard index).  All bookkeeping speaks of ORIGINAL world
-ranks and replica ids; communicator ranks change after every ``Shrink`` and are translated back here.
+with local rank ``r % ranks_per_replica`` (its (pp, tp) coordinate, or its FSDP shard index).  All bookkeeping speaks of
+ORIGINAL world ranks and replica ids; communicator ranks change after every ``Shrink`` and are translated back here.
 """
 
 from __future__ import annotations

@@ -383,7 +383,8 @@ class FTWorld:
         self.live_ranks, self._live_set = outcome.live_ranks, frozenset(outcome.live_ranks)
         self.active_replicas = event.active_replicas
         if not event.failed_ranks:
-            self._log(f"[ft rank {self.rank}] repair to epoch {event.epoch} found no dead rank; cause: {event.extra['cause']}")
+            self._log(f"[ft rank {self.rank}] repair to epoch {event.epoch} found no dead rank; "
+                      f"cause: {event.extra['cause']}")
         self._log(
             f"[ft rank {self.rank}] repaired to epoch {event.epoch}: failed ranks {event.failed_ranks} "
             f"(replicas {event.failed_replicas}), live replicas {event.live_replicas}, "

@@ -3,8 +3,9 @@
 Only what differs from :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel` is here: the replica's
 nanotron context (dp = F inside it), the sharding of the model, the row split, the loss scaling 1/(M F), the clip
 of a sharded gradient and the checkpoint layout. bf16: FSDP2's mixed precision (fp32 sharded parameters = masters,
-bf16 gathered parameters for compute, gradients reduce-scattered in fp32 into the same fp32 buckets). Planning, buckets, snapshots, recovery, spares (state copied
-shard by shard: coordinate = shard index) and the commit are inherited unchanged.
+bf16 gathered parameters for compute, gradients reduce-scattered in fp32 into the same fp32 buckets). Planning, buckets,
+snapshots, recovery, spares (state copied shard by shard: coordinate = shard index) and the commit are inherited
+unchanged.
 """
 
 from __future__ import annotations

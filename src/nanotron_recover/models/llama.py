@@ -338,7 +338,8 @@ class LlamaForTraining(NanotronModel):
         c = self.config
         d_head = c.hidden_size // c.num_attention_heads
         return {
-            LlamaDecoderLayer: 4 * c.num_attention_heads * d_head * c.hidden_size + 3 * c.intermediate_size * c.hidden_size,
+            LlamaDecoderLayer: 4 * c.num_attention_heads * d_head * c.hidden_size
+                               + 3 * c.intermediate_size * c.hidden_size,
             TensorParallelColumnLinear: c.vocab_size * c.hidden_size,
         }
 

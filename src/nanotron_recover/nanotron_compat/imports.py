@@ -79,7 +79,8 @@ class _ShimAfterNanotron:
     """Finds the top-level ``nanotron`` package like the finders after it, and wraps its loader so that the
     shim runs right after ``nanotron/__init__.py``. Removes itself at its first use."""
 
-    def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if name != "nanotron":
             return None
         sys.meta_path.remove(self)

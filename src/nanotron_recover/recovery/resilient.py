@@ -56,7 +56,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
     it is called when a rank dies during start-up and when a hang cannot be ended by killing a rank.
 
     ``ft`` and ``parallel_context`` are built here (the ULFM world over ``MPI.COMM_WORLD``, then the replica's
-    torch world) unless given: tests of the step logic pass an in-memory world (the interface: :class:`~nanotron_recover.ft.protocol.ReplicaWorld`).
+    torch world) unless given: tests of the step logic pass an in-memory world (the interface:
+    :class:`~nanotron_recover.ft.protocol.ReplicaWorld`).
     """
 
     def __init__(
@@ -79,7 +80,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         if world is not None and world.Get_size() != config.world_size:
             raise SystemExit(
                 f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs {config.world_size} "
-                f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x {config.ranks_per_replica} ranks per replica)"
+                f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x {config.ranks_per_replica} "
+                "ranks per replica)"
             )
         rpr = config.ranks_per_replica
         self.replica, self.local_rank = divmod(world.Get_rank() if world is not None else ft.rank, rpr)
@@ -188,7 +190,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             epoch=self.ft.epoch,
             live_replicas=len(plan),
             recoveries=recoveries,
-            quotas={r: len(v) for r, v in plan.items()} if self.recycle else None,
+            quotas={r: len(v) for r, v in plan.items()},
         )
 
     def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:

@@ -208,7 +208,8 @@ def _set_from_samples(cal: Calibration, samples: _RunSamples, src: str, devices:
         cal.set("ckpt_fixed_s", 0.0, "save time taken as size / bandwidth")
         cal.set("storage_gb_per_s", cal.values["state_gb_per_rank"] / max(s, 1e-6),
                 f"{len(samples.saves)} checkpoint saves")
-    cal.set("startup_s", _median(samples.startups), f"{len(samples.startups)} launches (config.yaml mtime -> first step)")
+    cal.set("startup_s", _median(samples.startups),
+            f"{len(samples.startups)} launches (config.yaml mtime -> first step)")
     r = _median(samples.restarts)
     if r is not None:
         # one node: restart_per_node_s cannot be measured here and keeps its anchor

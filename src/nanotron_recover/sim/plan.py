@@ -91,7 +91,8 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
     results = run_policies(cluster, p, policies, horizon, seed_list)
     mtbf_h = p.mttf_hours(cluster.job_gpus)
     lines = [f"cluster: {cluster.describe()}",
-             f"job MTTF {mtbf_h:.3g} h ({mtbf_h * 60:.3g} min); {days:g} simulated days x {seeds} failure draws per policy",
+             f"job MTTF {mtbf_h:.3g} h ({mtbf_h * 60:.3g} min); {days:g} simulated days x {seeds} failure draws "
+             "per policy",
              "", "| policy | ETTR (min-max) | tokens / GPU-hour | tokens lost / failure | failures | job ends "
              "(crash / requeue) | what it is |", "|---|---|---|---|---|---|---|"]
     for pol in policies:

@@ -5,9 +5,9 @@ replica out; the survivors recompute its microbatches in the same step and keep 
 replicas first; nothing ever joins a running job again (growing by spawning is unsafe on this Open MPI; the
 code's recycling of a failed replica's surviving ranks into new replicas is not modelled yet);
 below ``min_replicas`` the job checkpoints and exits 3, and the requeued job starts at full size. A node's
-daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (README, "Running on many nodes"), so a node loss is a crash and a relaunch; the
-relaunch resumes from the node-local snapshots of the last committed step (``local_snapshot_interval: 1``, the
-default: only the step in flight is lost), not from the last periodic checkpoint as checkpoint-restart does.
+daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (README, "Running on many nodes"), so a node loss is a crash and a
+relaunch; the relaunch resumes from the node-local snapshots of the last committed step (``local_snapshot_interval: 1``,
+the default: only the step in flight is lost), not from the last periodic checkpoint as checkpoint-restart does.
 ``hypothetical`` policies are not in the code.
 """
 

@@ -64,22 +64,11 @@ def inject_entries(events: Sequence[FailureEvent], index_of: dict[int, int]) -> 
     ]
 
 
-def run_ckpt_restart(
-    *,
-    name: str,
-    out_dir: Path,
-    dp: int,
-    accumulation: int,
-    steps: int,
-    checkpoint_interval: int,
-    events: Sequence[FailureEvent],
-    variant: str,
-    size: ModelSize,
-    tp: int = 1,
-    pp: int = 1,
-    max_launches: int = 10,
-    timeout_s: float = 900,
-) -> RunSummary:
+def run_ckpt_restart(*, name: str, out_dir: Path, dp: int, accumulation: int, steps: int, checkpoint_interval: int,
+                     events: Sequence[FailureEvent], variant: str, size: ModelSize, tp: int = 1, pp: int = 1,
+                     max_launches: int = 10, timeout_s: float = 900) -> RunSummary:
+    """The stock path under checkpoint-restart: launch, lose replicas, relaunch from the last checkpoint (variant A:
+    on the survivors, M kept; B: at full size) until ``steps`` are done."""
     if variant not in ("A", "B"):
         raise ValueError(f"variant must be A or B, got {variant!r}")
     out_dir = Path(out_dir).resolve()
@@ -96,21 +85,14 @@ def run_ckpt_restart(
         cur = alive if variant == "A" else list(range(dp))
         if M % len(cur):
             raise ValueError(f"variant A: M={M} is not divisible by {len(cur)} surviving replicas")
-        index_of = {r: i for i, r in enumerate(cur)}
         config = make_config(
             dp=len(cur), accumulation=M // len(cur), steps=steps, size=size, tp=tp, pp=pp,
-            fault_tolerance={"enabled": False, "inject": inject_entries(pending, index_of)},
+            fault_tolerance={"enabled": False, "inject": inject_entries(pending, {r: i for i, r in enumerate(cur)})},
             checkpoint_interval=checkpoint_interval, checkpoints_path=str(ckpt_dir),
         )
-        print(f"[{name}] launch {len(attempts) + 1}: dp={len(cur)} x accumulation={M // len(cur)} "
-              f"({n_processes(config)} processes), pending failures: "
-              f"{[e.describe() for e in pending] or 'none'}", flush=True)
-        attempt = launch(config, out_dir / f"launch{len(attempts) + 1}", timeout_s=timeout_s)
+        attempt = _launch(name, config, out_dir, len(attempts) + 1, pending, timeout_s)
         attempts.append(attempt)
         last = attempt.steps[-1]["step"] if attempt.steps else attempt.resumed_from
-        print(f"[{name}]   exit {attempt.returncode} after {attempt.end_t - attempt.launch_t:.1f} s, "
-              f"steps {attempt.resumed_from + 1}..{last}, kills at steps {sorted({k.step for k in attempt.kills})}",
-              flush=True)
         if last >= steps and not attempt.kills:
             break
         fired = [e for e in pending if any(k.step == e.step for k in attempt.kills)]
@@ -133,6 +115,21 @@ def run_ckpt_restart(
     )
     summary.extra["recomputed_steps"] = summary.extra["steps_executed"] - len(summary.trajectory)
     return summary
+
+
+def _launch(name: str, config: dict, out_dir: Path, n: int, pending: Sequence[FailureEvent],
+            timeout_s: float) -> Attempt:
+    """The n-th launch of the job, said before and after."""
+    par = config["parallelism"]
+    print(f"[{name}] launch {n}: dp={par['dp']} x accumulation={config['tokens']['batch_accumulation_per_replica']} "
+          f"({n_processes(config)} processes), pending failures: {[e.describe() for e in pending] or 'none'}",
+          flush=True)
+    attempt = launch(config, out_dir / f"launch{n}", timeout_s=timeout_s)
+    last = attempt.steps[-1]["step"] if attempt.steps else attempt.resumed_from
+    print(f"[{name}]   exit {attempt.returncode} after {attempt.end_t - attempt.launch_t:.1f} s, "
+          f"steps {attempt.resumed_from + 1}..{last}, kills at steps {sorted({k.step for k in attempt.kills})}",
+          flush=True)
+    return attempt
 
 
 def _failure_breakdown(attempts: list[Attempt], failures: list[dict]) -> list[dict]:

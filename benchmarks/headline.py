@@ -86,8 +86,8 @@ def run_paper(args, size) -> str:
     from benchmarks.ckpt_restart import inject_entries, run_ckpt_restart
     from benchmarks.compare import recover_failures, run_single
     from benchmarks.lib.config import make_config
-    from benchmarks.lib.report import machine_line, write_json
-    from nanotron_recover.sim.calibrate import BenchmarkSchedule
+    from benchmarks.lib.report import machine_line, md_table, write_json
+    from nanotron_recover.sim.calibrate import BenchmarkSchedule, from_benchmark_json
     from nanotron_recover.sim.engine import ScheduledFailure
 
     every, dp = 5, args.dp
@@ -113,8 +113,6 @@ def run_paper(args, size) -> str:
             "failures": [e.describe() for e in events],
             "runs": {"recover": rec.as_dict(), "ckpt_restart_B": ckpt.as_dict()}}
     write_json(out / "headline_paper.json", data)
-    from nanotron_recover.sim.calibrate import from_benchmark_json
-
     sched = BenchmarkSchedule(dp, args.accumulation, args.steps, k,
                               tuple(ScheduledFailure(e.step - 0.5, e.replicas) for e in events),
                               size.micro_batch * size.seq, from_benchmark_json(COMMITTED)[2].devices, measured,
@@ -126,8 +124,6 @@ def run_paper(args, size) -> str:
     rows = [[r.name, len(r.attempts), r.final_step, round(r.wall_s, 1), round(r.process_seconds, 1),
              r.committed_tokens, round(r.effective_throughput, 1), r.extra.get("recomputed_steps", 0)]
             for r in (rec, ckpt)]
-    from benchmarks.lib.report import md_table
-
     md = "\n".join([f"command: `{data['command']}`", "", f"machine: {data['machine']}", "", f"setup: {data['setup']}",
                     "", f"failures: {'; '.join(data['failures'])}; checkpoint-restart: {why}", "",
                     md_table(["run", "launches", "final step", "wall s", "process-s", "committed tokens",

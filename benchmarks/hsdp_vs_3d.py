@@ -35,7 +35,7 @@ from benchmarks.lib.report import command_line, machine_line, md_table, median, 
 from benchmarks.lib.timeline import launch, normal_step_times, summarize  # noqa: E402
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=3, help="replicas R")
     ap.add_argument("--accumulation", type=int, default=2)
@@ -47,59 +47,72 @@ def main(argv: Sequence[str] | None = None) -> dict:
     add_size_args(ap)
     ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
     args = ap.parse_args(argv)
-    size = size_from_args(args)
-    if size.micro_batch % args.shards:
-        ap.error(f"--micro-batch {size.micro_batch} must be divisible by --shards {args.shards}")
-    fail_step = args.fail_step or max(1, args.steps // 2)
+    args.size = size_from_args(args)
+    if args.size.micro_batch % args.shards:
+        ap.error(f"--micro-batch {args.size.micro_batch} must be divisible by --shards {args.shards}")
+    args.fail_step = args.fail_step or max(1, args.steps // 2)
+    return args
+
+
+def _layouts(args: argparse.Namespace) -> dict[str, dict]:
+    def config(tp: int, **replica) -> dict:
+        inject = [{"step": args.fail_step, "replica": 1, "rank": 0, "phase": "backward"}] if args.dp > 1 else []
+        ft = {"enabled": True, "inject": inject, **replica}
+        return make_config(dp=args.dp, tp=tp, accumulation=args.accumulation, steps=args.steps, size=args.size,
+                           fault_tolerance=ft)
+
+    return {"3d": config(tp=1), "3d-tp2": config(tp=2),
+            "hsdp": config(tp=1, replica="fsdp", fsdp_shard_size=args.shards)}
+
+
+def _run_layout(name: str, cfg: dict, out: Path, args: argparse.Namespace) -> tuple[dict, list[float]]:
+    """One layout's run: its throughputs and its loss per step."""
+    attempt = launch(cfg, out / name, timeout_s=args.timeout_s)
+    if attempt.returncode != 0 or not attempt.steps or attempt.steps[-1]["step"] != args.steps:
+        log = (Path(attempt.run_dir) / "output.log").read_text()[-3000:]
+        raise RuntimeError(f"{name} stopped early (exit {attempt.returncode}):\n{log}")
+    summary = summarize(name, [attempt], args.steps, ranks_per_replica(cfg))
+    before_kill = [s for s in attempt.steps if s["step"] < args.fail_step]
+    steady = attempt.steps[2:]
+    step_process_s = sum(s["step_time_s"] * s["live_replicas"] * ranks_per_replica(cfg) for s in steady)
+    result = {
+        "processes": attempt.n_procs,
+        "effective_throughput": summary.effective_throughput,
+        "step_throughput": sum(s["tokens"] for s in steady) / step_process_s,
+        "tokens_per_wall_s": summary.committed_tokens / summary.wall_s,
+        "median_step_s": median(normal_step_times(before_kill)),
+        "committed_tokens": summary.committed_tokens,
+        "wall_s": summary.wall_s,
+        "process_seconds": summary.process_seconds,
+        "final_loss": summary.final_loss,
+        "load_avg_1min": attempt.load_avg_1min,
+    }
+    print(f"[hsdp_vs_3d] {name}: {result['effective_throughput']:.1f} tokens/process-s "
+          f"({result['step_throughput']:.1f} in steps), median step {result['median_step_s'] * 1000:.1f} ms",
+          flush=True)
+    return result, [summary.trajectory[s]["loss"] for s in sorted(summary.trajectory)]
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = _parse(argv)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
-
-    def config(tp: int, **replica) -> dict:
-        inject = [{"step": fail_step, "replica": 1, "rank": 0, "phase": "backward"}] if args.dp > 1 else []
-        ft = {"enabled": True, "inject": inject, **replica}
-        return make_config(dp=args.dp, tp=tp, accumulation=args.accumulation, steps=args.steps, size=size,
-                              fault_tolerance=ft)
-
-    layouts = {
-        "3d": config(tp=1),
-        "3d-tp2": config(tp=2),
-        "hsdp": config(tp=1, replica="fsdp", fsdp_shard_size=args.shards),
-    }
     results: dict[str, dict] = {}
     losses: dict[str, list[float]] = {}
-    for name, cfg in layouts.items():
-        attempt = launch(cfg, out / name, timeout_s=args.timeout_s)
-        if attempt.returncode != 0 or not attempt.steps or attempt.steps[-1]["step"] != args.steps:
-            log = (Path(attempt.run_dir) / "output.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} stopped early (exit {attempt.returncode}):\n{log}")
-        summary = summarize(name, [attempt], args.steps, ranks_per_replica(cfg))
-        before_kill = [s for s in attempt.steps if s["step"] < fail_step]
-        steady = attempt.steps[2:]
-        step_process_s = sum(s["step_time_s"] * s["live_replicas"] * ranks_per_replica(cfg) for s in steady)
-        losses[name] = [summary.trajectory[s]["loss"] for s in sorted(summary.trajectory)]
-        results[name] = {
-            "processes": attempt.n_procs,
-            "effective_throughput": summary.effective_throughput,
-            "step_throughput": sum(s["tokens"] for s in steady) / step_process_s,
-            "tokens_per_wall_s": summary.committed_tokens / summary.wall_s,
-            "median_step_s": median(normal_step_times(before_kill)),
-            "committed_tokens": summary.committed_tokens,
-            "wall_s": summary.wall_s,
-            "process_seconds": summary.process_seconds,
-            "final_loss": summary.final_loss,
-            "load_avg_1min": attempt.load_avg_1min,
-        }
-        print(f"[hsdp_vs_3d] {name}: {results[name]['effective_throughput']:.1f} tokens/process-s "
-              f"({results[name]['step_throughput']:.1f} in steps), "
-              f"median step {results[name]['median_step_s'] * 1000:.1f} ms", flush=True)
-    for name in layouts:
+    for name, cfg in _layouts(args).items():
+        results[name], losses[name] = _run_layout(name, cfg, out, args)
+    for name in results:
         results[name]["max_loss_diff_vs_3d"] = max(abs(a - b) for a, b in zip(losses[name], losses["3d"]))
+    return _write(results, args, out, argv)
+
+
+def _write(results: dict[str, dict], args: argparse.Namespace, out: Path, argv: Sequence[str] | None) -> dict:
     ratio = results["hsdp"]["effective_throughput"] / results["3d"]["effective_throughput"]
     ratio_tp2 = results["hsdp"]["effective_throughput"] / results["3d-tp2"]["effective_throughput"]
     ratio_steps = results["hsdp"]["step_throughput"] / results["3d"]["step_throughput"]
     command = command_line(argv, "benchmarks/hsdp_vs_3d.py")
     setup = (f"{args.dp} replicas, M = {args.dp * args.accumulation} microbatches/step, {args.steps} steps, "
-             f"{size.describe()}, synthetic data, replica 1 killed at step {fail_step} (backward)")
+             f"{args.size.describe()}, synthetic data, replica 1 killed at step {args.fail_step} (backward)")
     data = {"command": command, "machine": machine_line(), "setup": setup, "results": results,
             "hsdp_vs_3d": ratio, "hsdp_vs_3d_tp2": ratio_tp2, "hsdp_vs_3d_step_throughput": ratio_steps}
     write_json(out / "hsdp_vs_3d.json", data)
@@ -108,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     md = "\n".join([
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
         md_table(["layout", "processes", "effective throughput (tokens/process-s)",
-                     "step throughput (tokens/process-s in steps)", "tokens/wall-s",
-                     "median step before the kill (ms)", "final loss", "max abs loss diff vs 3d"], rows), "",
+                  "step throughput (tokens/process-s in steps)", "tokens/wall-s",
+                  "median step before the kill (ms)", "final loss", "max abs loss diff vs 3d"], rows), "",
         f"HSDP / 3D effective throughput = {ratio:.3f}; HSDP / 3D-TP2 = {ratio_tp2:.3f}; "
         f"HSDP / 3D step throughput = {ratio_steps:.3f}",
     ]) + "\n"

@@ -30,6 +30,32 @@ from benchmarks.lib.report import command_line, machine_line, md_table, median, 
 from benchmarks.lib.timeline import launch, summarize  # noqa: E402
 
 
+def _run(name: str, config: dict, out: Path, args: argparse.Namespace) -> tuple[dict, object]:
+    """One run (recycling off or on): what it measured after the faults, and its summary."""
+    attempt = launch(config, out / name, timeout_s=args.timeout_s)
+    if attempt.returncode != 0 or attempt.steps[-1]["step"] != args.steps:
+        raise RuntimeError(f"recycle {name}: stopped early (exit {attempt.returncode})")
+    summary = summarize(f"recycle {name}", [attempt], args.steps, rpr=4)
+    after = [s for s in attempt.steps if s["step"] > args.second + 1]
+    t_second = next(s["time"] for s in attempt.steps if s["step"] == args.second)
+    tokens_after = sum(s["tokens"] for s in attempt.steps if s["step"] > args.second)
+    ps_after = summary.process_seconds - summary.process_seconds_at(t_second)
+    activated = [e for e in attempt.events if e.get("event") == "spare_activated" and "formed_to_active_ms" in e]
+    (state,) = [e for e in attempt.events if e.get("event") == "training_state"]
+    # what a transfer carries for one coordinate (the logging rank's): parameters, fp32 masters, Adam
+    state_mb = sum(state["bytes"][k] for k in ("params", "masters", "optimizer")) / 1e6
+    result = {
+        "live_replicas_after": after[0]["live_replicas"],
+        "median_step_s_after": median(s["step_time_s"] for s in after),
+        "tokens_per_process_s": summary.effective_throughput, "tokens_per_process_s_after": tokens_after / ps_after,
+        "formed_to_active_ms": activated[0]["formed_to_active_ms"] if activated else None,
+        "transfer_ms": activated[0]["transfer_ms"] if activated else None, "state_mb_per_rank": state_mb,
+        "process_seconds": summary.process_seconds, "committed_tokens": summary.committed_tokens,
+        "final_loss": summary.final_loss, "load_avg_1min": attempt.load_avg_1min,
+    }
+    return result, summary
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--accumulation", type=int, default=2)
@@ -49,36 +75,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ft = {"enabled": True, "recycle": recycle, "local_snapshot_interval": 0, "inject": inject}
         config = make_config(dp=3, tp=2, pp=2, accumulation=args.accumulation, steps=args.steps, size=size,
                              fault_tolerance=ft)
-        attempt = launch(config, out / name, timeout_s=args.timeout_s)
-        if attempt.returncode != 0 or attempt.steps[-1]["step"] != args.steps:
-            raise RuntimeError(f"recycle {name}: stopped early (exit {attempt.returncode})")
-        summary = summarize(f"recycle {name}", [attempt], args.steps, rpr=4)
-        after = [s for s in attempt.steps if s["step"] > args.second + 1]
-        t_second = next(s["time"] for s in attempt.steps if s["step"] == args.second)
-        tokens_after = sum(s["tokens"] for s in attempt.steps if s["step"] > args.second)
-        ps_after = summary.process_seconds - summary.process_seconds_at(t_second)
-        activated = [e for e in attempt.events if e.get("event") == "spare_activated" and "formed_to_active_ms" in e]
-        (state,) = [e for e in attempt.events if e.get("event") == "training_state"]
-        # what a transfer carries for one coordinate (the logging rank's): parameters, fp32 masters, Adam
-        state_mb = sum(state["bytes"][k] for k in ("params", "masters", "optimizer")) / 1e6
-        data[name] = {
-            "live_replicas_after": after[0]["live_replicas"],
-            "median_step_s_after": median(s["step_time_s"] for s in after),
-            "tokens_per_process_s": summary.effective_throughput, "tokens_per_process_s_after": tokens_after / ps_after,
-            "formed_to_active_ms": activated[0]["formed_to_active_ms"] if activated else None,
-            "transfer_ms": activated[0]["transfer_ms"] if activated else None, "state_mb_per_rank": state_mb,
-            "process_seconds": summary.process_seconds, "committed_tokens": summary.committed_tokens,
-            "final_loss": summary.final_loss, "load_avg_1min": attempt.load_avg_1min,
-        }
+        data[name], summaries[name] = _run(name, config, out, args)
         d = data[name]
         rows.append([name, d["live_replicas_after"], d["median_step_s_after"] * 1000, d["tokens_per_process_s"],
                      d["tokens_per_process_s_after"], d["formed_to_active_ms"] or float("nan"),
                      d["transfer_ms"] or float("nan"), d["final_loss"]])
-        summaries[name] = summary
         print(f"[recycle] {name}: {d}", flush=True)
     if data["off"]["final_loss"] != data["on"]["final_loss"]:
         print(f"[recycle] note: final losses differ by {abs(data['off']['final_loss'] - data['on']['final_loss']):.2e} "
               "(summation order)", flush=True)
+    return _write(data, rows, summaries, args, size, argv, out)
+
+
+def _write(data: dict, rows: list, summaries: dict, args: argparse.Namespace, size, argv: Sequence[str] | None,
+           out: Path) -> dict:
     ratio = data["on"]["median_step_s_after"] / data["off"]["median_step_s_after"]
     budget = min(s.process_seconds for s in summaries.values())  # committed tokens at equal process-seconds
     at_budget = {name: s.tokens_at_process_seconds(budget) for name, s in summaries.items()}

@@ -74,6 +74,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return make_config(dp=args.dp, tp=args.tp, accumulation=args.accumulation, steps=args.steps, size=size,
                            fault_tolerance=ft, checkpoint_interval=checkpoint_interval)
 
+    step_times, per_rank_bytes, loads = _interleaved_runs(config, args, out)
+    medians = {name: median(times) for name, times in step_times.items()}
+    overhead = medians["every step"] / medians["none"]
+    restart = {
+        "local snapshot": kill_and_relaunch(config(1, args.checkpoint_interval), out / "restart_snapshot",
+                                            args.kill_after, args.timeout_s),
+        "disk checkpoint": kill_and_relaunch(config(0, args.checkpoint_interval), out / "restart_disk",
+                                             args.kill_after, args.timeout_s),
+    }
+    return _write(medians, overhead, per_rank_bytes, restart, loads, args, size, argv, out)
+
+
+def _interleaved_runs(config, args: argparse.Namespace, out: Path) -> tuple[dict[str, list[float]], int, list]:
+    """Failure-free runs without and with a snapshot every step, ABBA-interleaved (no variant always goes first):
+    their step times, the bytes one rank writes per snapshot, the load at each launch."""
     step_times: dict[str, list[float]] = {"none": [], "every step": []}
     per_rank_bytes = 0
     loads = []
@@ -90,14 +105,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 per_rank_bytes = events[0]["bytes_per_rank"]
             print(f"[snapshot] {name} run {k}: median step {median(normal_step_times(attempt.steps)) * 1000:.1f} ms",
                   flush=True)
-    medians = {name: median(times) for name, times in step_times.items()}
-    overhead = medians["every step"] / medians["none"]
-    restart = {
-        "local snapshot": kill_and_relaunch(config(1, args.checkpoint_interval), out / "restart_snapshot",
-                                            args.kill_after, args.timeout_s),
-        "disk checkpoint": kill_and_relaunch(config(0, args.checkpoint_interval), out / "restart_disk",
-                                             args.kill_after, args.timeout_s),
-    }
+    return step_times, per_rank_bytes, loads
+
+
+def _write(medians: dict, overhead: float, per_rank_bytes: int, restart: dict, loads: list,
+           args: argparse.Namespace, size, argv: Sequence[str] | None, out: Path) -> dict:
     command = command_line(argv, "benchmarks/snapshot_bench.py")
     setup = (f"{args.dp} replicas x TP{args.tp}, M = {args.dp * args.accumulation}, {args.steps} steps, "
              f"{size.describe()}, synthetic data; restart runs: job SIGKILLed after step {args.kill_after}, disk "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanotron_recover.inject import FailureInjector
+from nanotron_recover.job_shape import ranks_per_replica
 from nanotron_recover.run_folder import exit_record_path
 from nanotron_recover.watchdog import StartupWatchdog
 
@@ -35,9 +36,7 @@ def _peek_fault_tolerance(config_file: str) -> tuple[dict, int] | None:
         ft = raw.get("fault_tolerance")
         if not isinstance(ft, dict) or not ft.get("enabled", True):
             return None
-        par = raw.get("parallelism") or {}
-        rpr = ft["fsdp_shard_size"] if ft.get("replica") == "fsdp" else par.get("tp", 1) * par.get("pp", 1)
-        return ft, int(rpr)
+        return ft, ranks_per_replica(raw)
     except Exception:  # noqa: BLE001 - the real loader gives the error message
         return None
 

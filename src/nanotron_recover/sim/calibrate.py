@@ -129,14 +129,14 @@ def _sample_run(d: Path, out: _RunSamples, cal: Calibration) -> bool:
     """Add one run folder's measurements to ``out`` (False: it logged no step)."""
     import yaml
 
+    from nanotron_recover.job_shape import ranks_per_replica
     from nanotron_recover.run_folder import read_kills, read_metrics
 
     steps, events = read_metrics(d)
     if not steps:
         return False
     cfg = yaml.safe_load((d / "config.yaml").read_text()) or {} if (d / "config.yaml").is_file() else {}
-    par = cfg.get("parallelism") or {}
-    rpr = int(par.get("tp", 1)) * int(par.get("pp", 1))
+    rpr = ranks_per_replica(cfg)  # HSDP: the shard group
     for i, s in enumerate(steps):
         n = _processes(s)
         if i < 2 or s.get("recoveries") or not n or not s.get("live_replicas"):

@@ -10,19 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.inject import FailureInjector, FailureSpec, marker_name
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.run_folder import (
+    begin_launch,
     has_provoked_hang,
     last_logged_step,
     read_exits,
     read_kills,
+    read_launches,
     read_metrics,
     read_metrics_jsonl,
+    record_exit,
     record_external_fault,
     record_fired_fault,
     resumed_from,
+    run_outcome,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,3 +121,15 @@ def test_records_that_are_not_ours_are_skipped(tmp_path: Path) -> None:
     steps, _ = read_metrics(tmp_path)
     assert [s["step"] for s in steps] == [2] and last_logged_step(tmp_path) == 2
     assert list(read_exits(tmp_path)) == [1]
+
+
+def test_a_new_launch_is_judged_by_its_own_exit_records(tmp_path: Path) -> None:
+    """A bug recorded by launch 1 (exit 1) must not make launch 2, torn down by a lost node (no records, mpirun
+    rc 0), read as aborted: the relaunch would not be requeued."""
+    assert begin_launch(tmp_path, {"by": "test", "world_size": 4}) == 1
+    record_exit(tmp_path, 0, EXIT_ABORTED, "aborted: a bug")
+    assert run_outcome(tmp_path, 10, 0)[0] == "aborted"
+    assert begin_launch(tmp_path, {"by": "test", "world_size": 4}) == 2
+    assert read_exits(tmp_path) == {} and run_outcome(tmp_path, 10, 0)[0] == "restart"
+    assert json.loads((tmp_path / "launches" / "1" / "exits" / "rank-0.json").read_text())["code"] == EXIT_ABORTED
+    assert [(r["launch"], r["world_size"]) for r in read_launches(tmp_path)] == [(1, 4), (2, 4)]

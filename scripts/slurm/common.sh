@@ -92,6 +92,8 @@ recover_run() {
     recover_log "nodes ${SLURM_JOB_NODELIST:-?}, task slots ${SLURM_NTASKS:-?}"
     while :; do
         recover_log "launch: ${MPI_CMD[*]}"
+        "$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" begin --config-file "$CONFIG" \
+            --run-dir "$RUN_DIR" ${TRAIN_ARGS:-} >/dev/null || recover_die "cannot record the launch in $RUN_DIR"
         set +e
         "${MPI_CMD[@]}"
         rc=$?

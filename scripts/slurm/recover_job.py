@@ -6,6 +6,8 @@
                  eval "$(python scripts/slurm/recover_job.py info --config-file X --synthetic-data)"
                  # -> RECOVER_WORLD_SIZE=4 RECOVER_FT_ENABLED=1 RECOVER_TRAIN_STEPS=10 ...
 
+``begin``    before each ``mpirun``: the run folder's launch record (the previous launch's exit records move to
+             ``launches/<n>/``, so that the outcome judges this launch's records alone).
 ``outcome``  after ``mpirun`` returned: was the run finished, or must it be relaunched (it resumes from
              ``latest.txt``)?  Prints one word and exits with a matching code:
 
@@ -33,7 +35,7 @@ from typing import Sequence
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
 from nanotron_recover.exit_codes import EXIT_BAD_INPUT
 from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
-from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, run_outcome
+from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, run_outcome
 
 
 def _info(argv: Sequence[str]) -> int:
@@ -68,6 +70,24 @@ def _info(argv: Sequence[str]) -> int:
     return 0
 
 
+def _begin(argv: Sequence[str]) -> int:
+    """Before each mpirun: the run folder's launch record (the previous launch's exit records move aside)."""
+    from nanotron_recover.config import ConfigError
+    from nanotron_recover.launch import launch_record
+    from nanotron_recover.overrides import add_override_args, load_effective_config
+
+    parser = argparse.ArgumentParser(prog="recover_job.py begin")
+    add_override_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = load_effective_config(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"recover_job.py: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"launch {begin_launch(Path(args.run_dir), launch_record(config, by='sbatch'))}")
+    return 0
+
+
 def _outcome(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="recover_job.py outcome")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -82,10 +102,11 @@ def _outcome(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("info", "outcome"):
-        print("usage: recover_job.py info|outcome ...", file=sys.stderr)
+    commands = {"info": _info, "begin": _begin, "outcome": _outcome}
+    if not argv or argv[0] not in commands:
+        print("usage: recover_job.py info|begin|outcome ...", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return _info(argv[1:]) if argv[0] == "info" else _outcome(argv[1:])
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.overrides import add_override_args, forwarded_args, load_effective_config
-from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, ranks_wrote_since, run_outcome
+from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, ranks_wrote_since, run_outcome
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
@@ -91,12 +91,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    run_dir.mkdir(parents=True, exist_ok=True)
+    begin_launch(run_dir, launch_record(config, by="nanotron-recover train"))
     mode = "ReCoVer (ULFM)" if config.ft_enabled else "stock nanotron data path"
     if config.sharded_replicas:
         mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
     return _judge(run_dir, config, launch_with_retries(cmd, run_dir))
+
+
+def launch_record(config: "RecoverConfig", by: str) -> dict:
+    """What a launch record says about the job (the run folder keeps one per launch)."""
+    return {"by": by, "world_size": config.world_size, "replicas": config.parallelism.dp,
+            "spare_replicas": config.spare_replicas, "ranks_per_replica": config.ranks_per_replica,
+            "microbatches_per_step": config.microbatches_per_step, "train_steps": config.tokens.train_steps,
+            "fault_tolerance": config.ft_enabled, "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT")}
 
 
 def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES) -> int:

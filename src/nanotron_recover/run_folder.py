@@ -5,7 +5,9 @@ One run folder (``--run-dir``) holds everything a run leaves behind, over all th
     metrics.jsonl        one JSON object per step and per event (any rank may append an event line)
     run_id.txt           the run's id, made by its first launch (node-local snapshots and wandb are keyed by it)
     wandb_logged_step    the last step the wandb copy holds for sure
-    exits/rank-<r>.json  how each rank ended (``code``, ``reason``); a SIGKILLed rank leaves none
+    exits/rank-<r>.json  how each rank of the current launch ended (``code``, ``reason``); a SIGKILLed rank leaves none
+    launches.jsonl       one record per launch (time, world size, M, train steps, who launched it)
+    launches/<n>/exits/  the exit records of launch n, moved there when launch n + 1 begins
     injected/<name>      one JSON record per fired fault of the schedule, and a marker per fault sent from outside
     hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
     checkpoints/         nanotron checkpoints and ``latest.txt`` (the path is configurable)
@@ -31,6 +33,8 @@ METRICS_FILE = "metrics.jsonl"
 RUN_ID_FILE = "run_id.txt"
 WANDB_LOGGED_FILE = "wandb_logged_step"
 EXITS_DIR = "exits"
+LAUNCHES_FILE = "launches.jsonl"
+LAUNCHES_DIR = "launches"
 INJECTED_DIR = "injected"
 HANGS_DIR = "hangs"
 EXTERNAL_PREFIX = "external-"  # a marker of a fault sent from outside the run (a campaign, a test), not a schedule
@@ -210,6 +214,28 @@ def ranks_wrote_since(run_dir: Path, since: float) -> bool:
     """Did a rank of the launch that began at ``since`` get far enough to write a step record or an exit record?"""
     paths = [metrics_path(run_dir), *(Path(run_dir) / EXITS_DIR).glob("rank-*.json")]
     return any(path.exists() and path.stat().st_mtime >= since for path in paths)
+
+
+# ------------------------------------------------------------------------------------------------ launches
+def begin_launch(run_dir: Path, record: dict[str, Any]) -> int:
+    """Before a launch's ranks start: move the previous launch's exit records under ``launches/<n>/`` (the outcome of
+    this launch is judged by its own records alone: a bug recorded by an earlier launch must not make a later
+    launch that lost a node read as "aborted") and append this launch's record. Returns its number (1 = first)."""
+    run_dir = Path(run_dir)
+    number = len(read_launches(run_dir)) + 1
+    exits = run_dir / EXITS_DIR
+    if exits.is_dir() and any(exits.iterdir()):
+        archive = run_dir / LAUNCHES_DIR / str(number - 1)
+        archive.mkdir(parents=True, exist_ok=True)
+        os.replace(exits, archive / EXITS_DIR)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    append_line(run_dir / LAUNCHES_FILE, json.dumps({"launch": number, "time": time.time(), **record}, default=str))
+    return number
+
+
+def read_launches(run_dir: Path) -> list[dict[str, Any]]:
+    """The launch records of the run, oldest first (a torn line is skipped)."""
+    return [r for r in read_metrics_jsonl(Path(run_dir) / LAUNCHES_FILE) if "launch" in r]
 
 
 # ------------------------------------------------------------------------------------------------ faults

@@ -104,6 +104,7 @@ def launch_record(config: "RecoverConfig", by: str) -> dict:
     return {"by": by, "world_size": config.world_size, "replicas": config.parallelism.dp,
             "spare_replicas": config.spare_replicas, "ranks_per_replica": config.ranks_per_replica,
             "microbatches_per_step": config.microbatches_per_step, "train_steps": config.tokens.train_steps,
+            "micro_batch_size": config.tokens.micro_batch_size, "checkpoints_path": _checkpoints_path(config),
             "fault_tolerance": config.ft_enabled, "slurm_job": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart": os.environ.get("SLURM_RESTART_COUNT")}
 

@@ -88,3 +88,23 @@ def test_a_step_record_that_cannot_be_placed_is_named_and_left_out(tmp_path):
     tl = load_timeline(tmp_path)
     assert len(tl.launches) == 1 and [p.step for p in tl.records] == [1, 2]
     assert any("without a step number or a time" in p for p in tl.problems)
+
+
+def test_launch_records_say_where_a_launch_began(tmp_path):
+    """With ``launches.jsonl`` (the launcher's records) a relaunch that replays the same step as the last one's
+    first step is still told apart, and the size comes from the last launch's record."""
+    import json
+
+    run = FakeRun(tmp_path)
+    launches = [{"launch": 1, "time": run.t, "microbatches_per_step": 4, "train_steps": 4, "micro_batch_size": 2}]
+    run.step(1, 8.0)  # no training_state events: only the launch records can tell the launches apart
+    run.step(2, 7.0)
+    run.relaunch(gap=5.0)
+    launches.append({**launches[0], "launch": 2, "time": run.t})
+    run.step(3, 6.0)
+    run.step(4, 5.0)
+    run.close()
+    (tmp_path / "launches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in launches))
+    tl = load_timeline(tmp_path)
+    assert [(la.first_step, la.last_step) for la in tl.launches] == [(1, 2), (3, 4)]
+    assert tl.size.microbatches_per_step == 4 and tl.size.train_steps == 4

@@ -48,6 +48,7 @@ class RunRecords:
     external: list[dict[str, Any]] = field(default_factory=list)  # markers of faults sent from outside
     exits: dict[int, dict[str, Any]] = field(default_factory=dict)
     hang_stacks: list[Path] = field(default_factory=list)
+    launches: list[dict[str, Any]] = field(default_factory=list)  # launches.jsonl (runs launched by the launcher)
     latest_checkpoint: int | None = None
     size: RunSize = field(default_factory=RunSize)
 
@@ -121,6 +122,14 @@ def read_run_size(run_dir: Path, config_file: Path | None = None) -> tuple[RunSi
             problems.append(f"config {path} cannot be read ({type(e).__name__}: {e}): M and train_steps unknown")
     elif config_file is not None:
         problems.append(f"config {path} does not exist: M and train_steps unknown")
+    launches = run_folder.read_launches(run_dir)
+    if launches and _int(launches[-1].get("microbatches_per_step")):
+        last = launches[-1]
+        size = RunSize(train_steps=_int(last.get("train_steps")),
+                       microbatches_per_step=_int(last["microbatches_per_step"]),
+                       micro_batch_size=_int(last.get("micro_batch_size")),
+                       source=f"{run_folder.LAUNCHES_FILE} (last launch)")
+        return size, str(last.get("checkpoints_path") or "checkpoints"), problems
     m = _checkpoint_microbatches(run_dir, "checkpoints")
     if m is not None:
         return RunSize(microbatches_per_step=m, source="the newest checkpoint (M only)"), "checkpoints", problems
@@ -171,7 +180,7 @@ def read_run_records(run_dir: Path, config_file: Path | None = None) -> RunRecor
     exits = _exits(run_dir, problems)
     return RunRecords(run_dir=run_dir, records=records, problems=problems + more + size_problems,
                       kills=run_folder.read_kills(run_dir), external=external, exits=exits,
-                      hang_stacks=read_hang_stacks(run_dir),
+                      hang_stacks=read_hang_stacks(run_dir), launches=run_folder.read_launches(run_dir),
                       latest_checkpoint=run_folder.latest_checkpoint_step(run_dir, checkpoints_path), size=size)
 
 

@@ -132,7 +132,7 @@ def build_timeline(raw: RunRecords) -> RunTimeline:
     """The timeline of a run folder's records, over all its launches."""
     problems = list(raw.problems)
     records = _without_relogs(_well_formed(raw.records, problems))
-    launch_of = _launch_numbers(records)
+    launch_of = _launch_numbers_from_records(records, raw.launches) if raw.launches else _launch_numbers(records)
     points = [_step_point(r, launch_of[i]) for i, r in enumerate(records) if _is_step(r)]
     launches = _launches(points, records, launch_of)
     events = _placed_events(records, launch_of, points, launches)
@@ -197,6 +197,19 @@ def _launch_numbers(records: Sequence[dict[str, Any]]) -> list[int]:
             current += 1
         out.append(current)
     return out
+
+
+def _launch_numbers_from_records(records: Sequence[dict[str, Any]], launches: Sequence[dict[str, Any]]) -> list[int]:
+    """The launch of every record from the run folder's launch records (``launches.jsonl``, written by the
+    launcher before each launch): the last launch that began before the record was written. Launches that logged
+    nothing (a start-up fault) are left out and the others numbered 1, 2, ... as with the inferred rule."""
+    starts = sorted(float(r["time"]) for r in launches if isinstance(r.get("time"), (int, float)))
+    raw = []
+    for r in records:
+        t = _float(r.get("time", r.get("wall_time")))
+        raw.append(sum(1 for start in starts if t is not None and start <= t) or 1)
+    used = {n: i + 1 for i, n in enumerate(sorted(set(raw)))}
+    return [used[n] for n in raw]
 
 
 def _int(value: Any) -> int | None:

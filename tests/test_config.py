@@ -200,3 +200,40 @@ def test_faults_may_name_a_formed_replica_only_when_recycling():
     beyond = [{"step": 2, "replica": dp + 1, "rank": 0, "phase": "formation"}]  # 1 fault: at most 1 formation
     with pytest.raises(ConfigError, match=r"fault_tolerance.inject\[0\].replica"):
         config_from_dict(with_ft(recycle=True, inject=beyond))
+
+
+def test_rebalancing_is_off_by_default_and_its_knobs_parse():
+    ft = config_from_dict(with_ft()).fault_tolerance
+    assert not ft.rebalance and ft.replica_weights is None and ft.straggler_factor is None  # off unless asked
+    ft = config_from_dict(with_ft(rebalance=True, replica_weights=[1, 0.5], rebalance_smoothing=0.5,
+                                  rebalance_hysteresis=0, straggler_factor=3, straggler_steps=4)).fault_tolerance
+    assert ft.rebalance and ft.replica_weights == [1, 0.5] and ft.straggler_factor == 3 and ft.straggler_steps == 4
+    slow = [{"step": 2, "replica": 0, "signal": "slow", "factor": 2}, {"step": 2, "replica": 1, "signal": "slow",
+                                                                        "factor": 4}]
+    assert config_from_dict(with_ft(inject=slow)).fault_tolerance.inject[1].factor == 4  # slowing kills nobody
+
+
+@pytest.mark.parametrize(
+    "ft, key",
+    [
+        ({"rebalance_smoothing": 0}, "fault_tolerance.rebalance_smoothing"),
+        ({"rebalance_smoothing": 1.5}, "fault_tolerance.rebalance_smoothing"),
+        ({"rebalance_hysteresis": 1}, "fault_tolerance.rebalance_hysteresis"),
+        ({"rebalance_hysteresis": -0.1}, "fault_tolerance.rebalance_hysteresis"),
+        ({"straggler_factor": 1.0}, "fault_tolerance.straggler_factor"),
+        ({"straggler_steps": 0}, "fault_tolerance.straggler_steps"),
+        ({"replica_weights": [1.0]}, "fault_tolerance.replica_weights"),  # dp = 2 entries needed
+        ({"replica_weights": [1.0, 0.0]}, "fault_tolerance.replica_weights"),
+        ({"replica_weights": [1.0, 1.0], "spare_replicas": 1}, "fault_tolerance.replica_weights"),  # spares too
+        ({"rebalance": True, "keep_global_batch": False}, "fault_tolerance.rebalance"),
+        ({"straggler_factor": 2.0, "enabled": False}, "fault_tolerance.straggler_factor"),
+        ({"inject": [{"step": 2, "replica": 0, "signal": "slow"}]}, "fault_tolerance.inject[0].factor"),
+        ({"inject": [{"step": 2, "replica": 0, "signal": "slow", "factor": 0.5}]}, "fault_tolerance.inject[0].factor"),
+        ({"inject": [{"step": 2, "replica": 0, "factor": 2}]}, "fault_tolerance.inject[0].factor"),
+        ({"inject": [{"step": 99, "replica": 0, "signal": "slow", "factor": 2}]}, "fault_tolerance.inject[0].step"),
+    ],
+)
+def test_invalid_rebalancing_names_the_key(ft, key):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(with_ft(**ft))
+    assert key in str(err.value)

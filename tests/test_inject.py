@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,46 @@ def test_maybe_fail_really_sigkills_after_a_flushed_log_line() -> None:
     assert proc.stdout.split("\n")[:2] == ["step 0", "step 1"]
     assert "survived" not in proc.stdout
     assert "[inject] KILL replica 0 local rank 0" in proc.stderr and "step 1 phase checkpoint" in proc.stderr
+
+
+def test_a_slow_entry_never_fires_a_signal_and_slows_only_its_rank_from_its_step() -> None:
+    sched = [{"step": 3, "replica": 1, "rank": 0, "signal": "slow", "factor": 4},
+             {"step": 5, "replica": 1, "rank": 0, "signal": "slow", "factor": 2}]
+    assert parse_schedule(sched)[0] == FailureSpec(3, 1, 0, "backward", "slow", None, 4.0)
+    me, other = FailureInjector(sched, 1, 0), FailureInjector(sched, 1, 1)
+    assert not any(me.will_fail(s, p) for s in range(8) for p in PHASES)
+    for phase in PHASES:
+        me.maybe_fail(3, phase)  # returns at once: a straggler is no fault
+    assert [me.slowdown.factor(s) for s in (2, 3, 4, 5, 9)] == [1.0, 4.0, 4.0, 2.0, 2.0]  # the latest entry begun
+    assert other.slowdown.factor(9) == 1.0
+
+
+def _timed_call(slowdown, step: int, microbatches: int, work_s: float) -> float:
+    started = time.perf_counter()
+    slowdown.begin()
+    for _ in range(microbatches):
+        slowdown.microbatch(step)
+        time.sleep(work_s)
+    slowdown.end(step, microbatches)
+    return time.perf_counter() - started
+
+
+def test_slowdown_really_takes_factor_times_as_long_per_microbatch() -> None:
+    slowdown = FailureInjector([{"step": 2, "replica": 0, "signal": "slow", "factor": 3}], 0, 0).slowdown
+    before = _timed_call(slowdown, 1, 4, 0.01)
+    assert slowdown.per_microbatch_s == pytest.approx(0.01, rel=0.5)
+    slowed = _timed_call(slowdown, 2, 4, 0.01)  # a sleep of 2 x its own time per microbatch, at each one
+    assert 2.2 < slowed / before < 4.0
+    fresh = FailureInjector([{"step": 1, "replica": 0, "signal": "slow", "factor": 2}], 0, 0).slowdown
+    assert 1.5 < _timed_call(fresh, 1, 4, 0.01) / before < 2.8  # no time known yet: the sleep at the call's end
+
+
+@pytest.mark.parametrize("bad", [
+    {"step": 1, "replica": 0, "signal": "slow"},
+    {"step": 1, "replica": 0, "signal": "slow", "factor": 1},
+    {"step": 0, "replica": 0, "signal": "slow", "factor": 2, "phase": "startup"},
+    {"step": 1, "replica": 0, "signal": "kill", "factor": 2},
+])
+def test_slow_entries_need_a_factor_above_1(bad: dict) -> None:
+    with pytest.raises(ValueError, match="factor|phase"):
+        parse_schedule([bad])

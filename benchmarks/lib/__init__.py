@@ -1,2 +1,7 @@
 """What the benchmark scripts share: ``config`` (the tiny Llama, resized; process counts), ``timeline`` (one job
-launched and read back; process-seconds, committed tokens, progress), ``report`` (statistics, JSON, Markdown)."""
+launched and read back; process-seconds, committed tokens, progress), ``report`` (statistics, JSON, Markdown).
+
+``benchmarks/vs_torchft.py`` adds: ``tiny_llama`` (the same model, sample stream and optimizer in plain PyTorch,
+for the peer systems), ``torchft_worker`` / ``torchft_runner`` (plain DDP and torchft under torchrun),
+``recover_runner`` (ReCoVer through the launcher, relaunched on exit 3), ``outside_faults`` (SIGKILLs by pid at a
+step or a time, the same for every system) and ``side_by_side`` (the numbers compared)."""

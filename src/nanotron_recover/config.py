@@ -8,6 +8,7 @@ fails in the launcher with a message naming the key, before any rank starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,19 @@ class FaultToleranceArgs:
         recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
             replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
             (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas.
+        rebalance: quotas follow each replica's measured compute speed (stragglers get fewer microbatches of the
+            same M; :mod:`nanotron_recover.workload.rebalance`). Off by default: the split then depends on timing,
+            so two runs of one config are no longer bit-identical (each replica's summation order follows its
+            quota); the trajectory is the same samples either way. Speeds are measured and logged regardless.
+        replica_weights: fixed relative speeds by replica id (``dp + spare_replicas`` entries, > 0), for known
+            heterogeneous hardware: the plan with ``rebalance`` off, the prior before the first measurement with
+            it on. Null: all equal.
+        rebalance_smoothing: the EWMA weight of the newest step's speed, in (0, 1].
+        rebalance_hysteresis: the weights in use change only when the new quotas would shorten the predicted
+            step by more than this fraction, in [0, 1).
+        straggler_factor: a replica slower than this factor x the median replica for ``straggler_steps``
+            consecutive steps is drained (quota 0 for the rest of the run). Null (default): never drained.
+        straggler_steps: how many consecutive slow steps make a replica a persistent straggler.
     """
 
     enabled: bool = True
@@ -87,6 +101,12 @@ class FaultToleranceArgs:
     local_snapshot_dir: str = field(default_factory=lambda: f"/dev/shm/nanotron-recover-{os.getuid()}")
     local_snapshot_max_gb: Optional[float] = None
     recycle: bool = False
+    rebalance: bool = False
+    replica_weights: Optional[List[float]] = None
+    rebalance_smoothing: float = 0.3
+    rebalance_hysteresis: float = 0.1
+    straggler_factor: Optional[float] = None
+    straggler_steps: int = 10
 
 
 @dataclass
@@ -246,9 +266,35 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
     _check(ft.local_snapshot_max_gb is None or ft.local_snapshot_max_gb > 0, "fault_tolerance.local_snapshot_max_gb",
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)
+    _validate_rebalance(config)
     if ft.recycle:
         _check(ft.keep_global_batch, "fault_tolerance.recycle",
                "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")
+
+
+def _validate_rebalance(config: RecoverConfig) -> None:
+    """Rebalancing, fixed weights and draining: their ranges, and what they need."""
+    ft = config.fault_tolerance
+    n_replicas = config.parallelism.dp + ft.spare_replicas
+    _check(0 < ft.rebalance_smoothing <= 1, "fault_tolerance.rebalance_smoothing",
+           f"must be in (0, 1] (the weight of the newest step), got {ft.rebalance_smoothing}")
+    _check(0 <= ft.rebalance_hysteresis < 1, "fault_tolerance.rebalance_hysteresis",
+           f"must be in [0, 1) (a fraction of the step time), got {ft.rebalance_hysteresis}")
+    _check(ft.straggler_factor is None or (math.isfinite(ft.straggler_factor) and ft.straggler_factor > 1),
+           "fault_tolerance.straggler_factor",
+           f"must be > 1 (slower than this factor x the median replica), or null: off; got {ft.straggler_factor}")
+    _check(ft.straggler_steps >= 1, "fault_tolerance.straggler_steps", f"must be >= 1, got {ft.straggler_steps}")
+    if ft.replica_weights is not None:
+        weights = ft.replica_weights
+        _check(len(weights) == n_replicas, "fault_tolerance.replica_weights",
+               f"needs one weight per replica id, dp + spare_replicas = {n_replicas}, got {len(weights)}")
+        _check(all(math.isfinite(w) and w > 0 for w in weights), "fault_tolerance.replica_weights",
+               f"every weight must be finite and > 0, got {weights}")
+    for key in ("rebalance", "replica_weights", "straggler_factor"):
+        if getattr(ft, key) not in (None, False):
+            _check(ft.enabled and ft.keep_global_batch, f"fault_tolerance.{key}",
+                   "needs enabled: true and keep_global_batch: true (it moves work between the replicas "
+                   "that compute a step's M microbatches)")
 
 
 def _validate_inject(config: RecoverConfig) -> None:
@@ -274,7 +320,8 @@ def _validate_inject(config: RecoverConfig) -> None:
                    f"{key}.step", "a 'checkpoint' failure needs a step at which a checkpoint is saved")
     if ft.enabled and ft.inject:
         # a startup fault ends the job; with recycling, a formed replica's id names no launched replica
-        killed = {inj.replica for inj in ft.inject if inj.phase != "startup" and inj.replica < n_replicas}
+        killed = {inj.replica for inj in ft.inject
+                  if inj.phase != "startup" and inj.signal != "slow" and inj.replica < n_replicas}
         if len(killed) > n_replicas - 1:
             raise ConfigError("fault_tolerance.inject: the schedule kills every replica; none would be left")
 

@@ -7,7 +7,12 @@ within the replica and ``signal`` says what happens to the process:
 * ``kill`` (default): SIGKILL, a crash;
 * ``stop``: SIGSTOP, a frozen process (none of its threads runs; only the hang detector ends it);
 * ``hang``: the main thread blocks forever while the process's other threads run on, as a rank stuck in a GPU
-  kernel or in a collective does.
+  kernel or in a collective does;
+* ``slow`` (with ``factor``): not a fault but a straggler. From ``step`` on, every microbatch this rank computes
+  takes ``factor`` times as long, for real (:class:`Slowdown`: a sleep of ``factor - 1`` times its own measured
+  time per microbatch, at each microbatch's forward). Its replica-mates wait for it in their TP / PP / FSDP
+  collectives, so the whole replica is slowed. Only time changes: the trajectory is the same. ``phase`` is not
+  used; it lasts for the rest of the run (a relaunch is slowed again: it is the hardware).
 
 For ``reduce`` the reduction loop calls ``maybe_fail(step, "reduce")`` after its first bucket was sent, so the
 fault lands mid-reduction. Phase ``startup`` fires before the first step, at the point named by ``at``
@@ -20,6 +25,7 @@ This module must stay light (standard library only): it runs before ``MPI_Init``
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -33,7 +39,7 @@ from nanotron_recover import run_folder
 from nanotron_recover.phases import FAULT_PHASES
 
 PHASES = tuple(p.value for p in FAULT_PHASES)  # see nanotron_recover.phases for what each means
-SIGNALS = ("kill", "stop", "hang")
+SIGNALS = ("kill", "stop", "hang", "slow")
 # Where a ``startup`` fault lands, in start-up order.
 STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
 
@@ -48,6 +54,7 @@ class FailureSpec:
     phase: str = "backward"
     signal: str = "kill"
     at: str | None = None  # phase "startup" only: one of STARTUP_POINTS (default: after_mpi_init)
+    factor: float | None = None  # signal "slow" only: how many times slower each microbatch becomes (> 1)
 
     def problems(self) -> list[tuple[str, str]]:
         """``(field, message)`` for every value that cannot work, whatever the config (empty: valid)."""
@@ -66,6 +73,14 @@ class FailureSpec:
                 out.append(("at", f"{self.at!r} is not one of {', '.join(STARTUP_POINTS)}"))
         elif self.at is not None:
             out.append(("at", "is only used with phase: startup"))
+        if self.signal == "slow":
+            factor = self.factor
+            if factor is None or not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
+                out.append(("factor", f"signal slow needs a factor > 1 (how many times slower), got {factor!r}"))
+            if self.phase == "startup":
+                out.append(("phase", "signal slow slows the training steps: not phase startup"))
+        elif self.factor is not None:
+            out.append(("factor", "is only used with signal: slow"))
         return out
 
     @property
@@ -84,6 +99,7 @@ class FailureSpec:
         spec = cls(
             int(d["step"]), int(d["replica"]), int(d.get("rank", 0)), str(d.get("phase", "backward")),
             str(d.get("signal", "kill")), None if d.get("at") is None else str(d["at"]),
+            None if d.get("factor") is None else float(d["factor"]),
         )
         bad = spec.problems()
         if bad:
@@ -128,11 +144,9 @@ class FailureInjector:
         recycled ranks): the entries for that name target it from now on."""
         self.my_replica = my_replica
         self.my_local_rank = my_local_rank
-        self._mine = {
-            (s.step, s.point): s
-            for s in self.schedule
-            if s.replica == my_replica and s.rank == my_local_rank and not self._fired(s)
-        }
+        mine = [s for s in self.schedule if s.replica == my_replica and s.rank == my_local_rank]
+        self._mine = {(s.step, s.point): s for s in mine if s.signal != "slow" and not self._fired(s)}
+        self.slowdown = Slowdown([s for s in mine if s.signal == "slow"], my_replica, my_local_rank)
 
     def _fired(self, spec: FailureSpec) -> bool:
         return self.run_dir is not None and run_folder.fault_marker_path(self.run_dir, marker_name(spec)).is_file()
@@ -171,3 +185,50 @@ class FailureInjector:
             time.sleep(60)  # SIGKILL is asynchronous in theory; never run on past the injection point
         else:
             threading.Event().wait()  # woken from SIGSTOP (SIGCONT): still never run on past the point
+
+
+class Slowdown:
+    """``signal: slow`` entries for this rank, made real: from an entry's step on, each microbatch sleeps
+    ``factor - 1`` times this rank's own time per microbatch (measured without the sleeps, last compute call).
+
+    The trainer calls :meth:`begin` and :meth:`end` around each compute call and :meth:`microbatch` at each
+    microbatch's forward (inside the computation, so that replica-mates wait for this rank in their collectives).
+    Before a time per microbatch is known (the first slowed call), the whole call's sleep comes at its end."""
+
+    def __init__(self, specs: Iterable[FailureSpec], replica: int, local_rank: int) -> None:
+        self.specs = sorted(specs, key=lambda s: s.step)
+        self.who = f"replica {replica} local rank {local_rank}"
+        self.per_microbatch_s: float | None = None
+        self._started = 0.0
+        self._slept = 0.0
+        self._announced = False
+
+    def factor(self, step: int) -> float:
+        """How many times slower this rank computes at ``step`` (the latest entry that has begun; 1: not slowed)."""
+        due = [s.factor for s in self.specs if s.step <= step and s.factor is not None]
+        return float(due[-1]) if due else 1.0
+
+    def begin(self) -> None:
+        self._started, self._slept = time.perf_counter(), 0.0
+
+    def _sleep(self, step: int, seconds: float) -> None:
+        if not self._announced:
+            sys.stderr.write(f"[inject] SLOW x{self.factor(step):g} {self.who} pid {os.getpid()} from step {step}\n")
+            sys.stderr.flush()
+            self._announced = True
+        time.sleep(seconds)
+        self._slept += seconds
+
+    def microbatch(self, step: int) -> None:
+        factor = self.factor(step)
+        if factor > 1 and self.per_microbatch_s is not None:
+            self._sleep(step, (factor - 1) * self.per_microbatch_s)
+
+    def end(self, step: int, microbatches: int) -> None:
+        """After a compute call of ``microbatches``: the first slowed call's sleep, then this rank's own speed."""
+        natural = time.perf_counter() - self._started - self._slept
+        factor = self.factor(step)
+        if factor > 1 and self.per_microbatch_s is None:
+            self._sleep(step, (factor - 1) * natural)
+        if microbatches > 0 and natural > 0:
+            self.per_microbatch_s = natural / microbatches

@@ -28,14 +28,17 @@ if TYPE_CHECKING:
 @dataclass
 class LocalWork:
     """What this rank computed in a step: the loss sum (each microbatch's loss / the strategy's ``loss_divisor``:
-    M, or M x F for an HSDP rank that holds 1/F of each microbatch's rows) and the microbatch count."""
+    M, or M x F for an HSDP rank that holds 1/F of each microbatch's rows), the microbatch count, and the wall
+    seconds it took (the replica's speed, for the rebalancer: :mod:`nanotron_recover.workload.rebalance`)."""
 
     loss_sum: float = 0.0
     microbatches: int = 0
+    compute_s: float = 0.0
 
     def __iadd__(self, other: "LocalWork") -> "LocalWork":
         self.loss_sum += other.loss_sum
         self.microbatches += other.microbatches
+        self.compute_s += other.compute_s
         return self
 
 
@@ -49,6 +52,7 @@ class CommittedStep:
     live_replicas: int = 1
     recoveries: int = 0
     quotas: dict[int, int] | None = None  # microbatches per computing replica (logged per step)
+    balance: dict[str, Any] | None = None  # measured speeds per replica, drained stragglers (logged per step)
 
 
 class MetricsSink(Protocol):

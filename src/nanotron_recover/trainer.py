@@ -170,7 +170,7 @@ class RecoverTrainer:
         local_params = [p for p in self.unwrapped_model.parameters() if p.requires_grad]
         if not local_params:
             return
-        self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at(Phase.FORWARD))
+        self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at(Phase.FORWARD) or self._slow_microbatch())
         if isinstance(local_params[0], DTensor):
             # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
             # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
@@ -179,11 +179,18 @@ class RecoverTrainer:
             return
         local_params[0].register_hook(lambda g: self._at(Phase.BACKWARD) or g)
 
+    def _slow_microbatch(self) -> None:
+        """A ``signal: slow`` entry for this rank: this microbatch takes its factor times as long."""
+        self.injector.slowdown.microbatch(self._current_step)
+
     # ----------------------------------------------------------------------------------------------- compute
     def compute(self, step: int, indices: Sequence[int], loss_divisor: int) -> LocalWork:
-        """Forward/backward the given global microbatches of ``step``; gradients accumulate in place."""
+        """Forward/backward the given global microbatches of ``step``; gradients accumulate in place. The wall
+        time goes with the work: it is this replica's measured speed (the rebalancer's input)."""
         if len(indices) == 0:
             return LocalWork()
+        started = time.perf_counter()
+        self.injector.slowdown.begin()
         self._at(Phase.DATALOAD)
         unwrapped, pc = self.unwrapped_model, self.parallel_context
         batch = [
@@ -199,7 +206,11 @@ class RecoverTrainer:
             loss_divisor=loss_divisor,
         )
         loss = summed_loss(outputs)  # each microbatch's loss / loss_divisor, on the last stage only
-        return LocalWork(loss_sum=float(loss) if loss is not None else 0.0, microbatches=len(indices))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the measured time is the kernels', not their launches'
+        self.injector.slowdown.end(step, len(indices))
+        return LocalWork(loss_sum=float(loss) if loss is not None else 0.0, microbatches=len(indices),
+                         compute_s=time.perf_counter() - started)
 
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -292,6 +303,7 @@ class RecoverTrainer:
             record["pool_ranks"] = pool
         if result.quotas is not None:
             record["quotas"] = {str(r): n for r, n in sorted(result.quotas.items())}
+        record.update(result.balance or {})  # speeds per replica (resilient path), drained stragglers
         self.last_record = record
         self.metrics.set_logging(self.dp.is_logging_rank())
         if not self.dp.is_logging_rank():

@@ -1,8 +1,9 @@
 """ReCoVer's data-parallel path: every step commits exactly M microbatches, whatever fails.
 
-Per step: the planner (layer 3) splits the M global microbatches over the active replicas' slots; each replica
-computes its share into flat fp32 buckets (loss / M); each bucket is snapshotted, keyed by (step, world epoch),
-right before its cross-replica SUM over ULFM (layer 1); a world-wide ``Agree`` commits the step.
+Per step: the planner (layer 3) splits the M global microbatches over the active replicas' slots (by measured speed
+with ``rebalance``: :mod:`nanotron_recover.recovery.rebalancing`); each replica computes its share into flat fp32
+buckets (loss / M); each bucket is snapshotted, keyed by (step, world epoch), right before its cross-replica SUM
+over ULFM (layer 1); a world-wide ``Agree`` commits the step.
 
 If anything fails before the commit: repair (layer 1), restore every bucket from its snapshot (a half-reduced
 buffer is garbage), re-plan only the failed replicas' orphaned microbatches onto the survivors, compute them on
@@ -19,7 +20,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch.distributed as torch_dist
 from mpi4py import MPI
 
@@ -33,6 +33,7 @@ from nanotron_recover.recovery.errors import BelowMinimumReplicas
 from nanotron_recover.recovery.formation import ReplicaFormation
 from nanotron_recover.recovery.lifecycle import ProcessLifecycle
 from nanotron_recover.recovery.local_snapshot import LocalSnapshots
+from nanotron_recover.recovery.rebalancing import StepStats
 from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
 from nanotron_recover.strategy import (
     AttachedModel,
@@ -108,7 +109,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self._applied = len(ft.events)  # repair events already applied to the roster and the pool
         self._pool_before: list[int] = []
         self._formed_at: float | None = None  # perf_counter() when the last new replica was formed
-        self._stats = np.zeros(2, dtype=np.float64)  # [loss sum, committed microbatches], reused every attempt
+        self.step_stats = StepStats(config)  # the step's world-wide sums: loss, microbatches, each slot's speed
         self._pending_activation = False
         # Replicas that hold the committed state of the last committed step: the ones that committed it, and a
         # spare or formed replica only once its state transfer completed everywhere. Only they are planned work
@@ -176,8 +177,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         if self.buckets is not None:
             self.buckets.release(step)  # committed: the snapshots are no longer needed
         self.holders = set(plan)  # the replicas that computed and committed this step, still alive
-        committed = int(round(self._stats[1]))
-        loss = float(self._stats[0])
+        stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
+        committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:
             if self.keep_global_batch:
                 raise RuntimeError(f"step {step} committed {committed} microbatches, expected {self.M}")
@@ -191,6 +192,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             live_replicas=len(plan),
             recoveries=recoveries,
             quotas={r: len(v) for r, v in plan.items()},
+            balance=balance,
         )
 
     def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:
@@ -227,17 +229,18 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         so the step still commits M. Shrinking-batch baseline: the failure-free plan minus the slots that were lost.
         """
         slots = self.roster.active_slots()
-        by_slot = plan_step(step, self.M, slots if self.keep_global_batch else range(self.config.parallelism.dp))
+        by_slot = plan_step(step, self.M, slots if self.keep_global_batch else range(self.config.parallelism.dp),
+                            self.step_stats.slot_weights(self.roster, slots))  # None unless rebalancing
         plan = {self.roster.replica_in_slot(slot): by_slot[slot] for slot in slots}
         waiting = [r for r in plan if r not in self.holders or r not in self.ft.active_replicas]
         if not waiting:
             return plan
         computing = [r for r in plan if r not in waiting]
         orphans = orphans_of(plan, waiting) if self.keep_global_batch else []
-        return merge(plan, replan_orphans(orphans, computing, plan), waiting)
+        return merge(plan, replan_orphans(orphans, computing, plan, self.step_stats.weights(computing)), waiting)
 
     def _reduce(self, services: StepServices, step: int, work: LocalWork) -> None:
-        """SUM every bucket across the computing replicas, then the step's loss and microbatch count world-wide."""
+        """SUM every bucket across the computing replicas, then the step's loss, count and speeds world-wide."""
         computing = self.computes()
         if computing:
             for i in range(self.buckets.num_buckets):
@@ -246,9 +249,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                 self.buckets.from_host(i)
                 if i == 0:
                     services.fault_point(step, Phase.REDUCE)
-        self._stats[0] = work.loss_sum if (computing and self._reports_loss()) else 0.0
-        self._stats[1] = work.microbatches if (computing and self.local_rank == 0) else 0.0
-        self.ft.allreduce_sum_(self._stats, "world")
+        stats = self.step_stats.fill(work.loss_sum if (computing and self._reports_loss()) else 0.0, work,
+                                     computing and self.local_rank == 0, self.roster.slot_of(self.replica))
+        self.ft.allreduce_sum_(stats, "world")
 
     def _repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
         """Repair the world (``ReplicaEvicted`` on a rank of a failed replica, unless recycling keeps it in the
@@ -328,7 +331,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         if self.buckets is not None and self.buckets.has_snapshot(step):
             self.buckets.restore(step)
         orphans = orphans_of(plan, failed) if self.keep_global_batch else []
-        extra = replan_orphans(orphans, survivors, plan)
+        extra = replan_orphans(orphans, survivors, plan, self.step_stats.weights(survivors))
         return merge(plan, extra, failed), (extra.get(self.replica, []) if self.replica is not None else [])
 
     # ------------------------------------------------------------------------------------------------- commit

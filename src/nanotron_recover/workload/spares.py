@@ -115,6 +115,10 @@ class ReplicaRoster:
         """Slots of the active replicas, sorted; pass these to the planner to keep failure-free ranges."""
         return sorted(self._slot[r] for r in self.active)
 
+    def slot_of(self, replica: int | None) -> int | None:
+        """The slot an active replica holds (None: not active, e.g. an idle spare)."""
+        return self._slot.get(replica) if replica in self.active else None
+
     def replica_in_slot(self, slot: int) -> int:
         """The active replica currently holding ``slot``."""
         for r in self.active:

@@ -1,0 +1,82 @@
+"""The step's world-wide stats, and the speeds they carry to the rebalancer (stragglers, issue #26).
+
+Every step already SUMs ``[loss, committed microbatches]`` over the whole world (``ResilientDataParallel._reduce``).
+The same buffer carries, per data-parallel slot, the compute seconds and the microbatch count of the replica that
+holds the slot, written by that replica's local rank 0 alone (every other rank adds zeros): each entry has one
+contributor, so its sum is exact and bit-identical on every rank, whatever order MPI adds in. After the commit
+every rank feeds the same numbers to the pure :class:`~nanotron_recover.workload.rebalance.Rebalancer`, so the next
+step's quotas are the same everywhere with no extra round. Only the committed attempt's numbers are observed: a
+reduction that failed may have completed on some ranks only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.strategy import LocalWork
+from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
+from nanotron_recover.workload.spares import ReplicaRoster
+
+LOSS, MICROBATCHES = 0, 1  # the first two entries of the stats buffer
+
+
+def settings_of(config: RecoverConfig) -> RebalanceSettings:
+    """The rebalancer's settings from the ``fault_tolerance`` section."""
+    ft = config.fault_tolerance
+    weights = ft.replica_weights
+    return RebalanceSettings(
+        rebalance=ft.rebalance, smoothing=ft.rebalance_smoothing, hysteresis=ft.rebalance_hysteresis,
+        straggler_factor=ft.straggler_factor, straggler_steps=ft.straggler_steps,
+        fixed=None if weights is None else {r: float(w) for r, w in enumerate(weights)},
+    )
+
+
+class StepStats:
+    """``stats``: ``[loss sum, microbatches, seconds of slot 0 .. dp-1, microbatches of slot 0 .. dp-1]``, reused
+    every attempt; ``balancer``: the speed estimates and the weights the planner uses."""
+
+    def __init__(self, config: RecoverConfig) -> None:
+        self.slots = config.parallelism.dp
+        self.stats = np.zeros(2 + 2 * self.slots, dtype=np.float64)
+        self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
+
+    def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None) -> np.ndarray:
+        """This rank's contribution: ``counts`` for local rank 0 of a computing replica (the count and the speeds
+        are counted once per replica), ``slot`` the slot its replica holds."""
+        self.stats[:] = 0.0
+        self.stats[LOSS] = loss
+        self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
+        if counts and slot is not None:
+            self.stats[2 + slot] = work.compute_s
+            self.stats[2 + self.slots + slot] = work.microbatches
+        return self.stats
+
+    def observe(self, roster: ReplicaRoster) -> dict[str, Any]:
+        """Feed the committed step's speeds to the rebalancer; what the step record carries of them."""
+        by_slot = {slot: roster.replica_in_slot(slot) for slot in roster.active_slots()}
+        seconds = {r: float(self.stats[2 + s]) for s, r in by_slot.items()}
+        counts = {r: int(round(self.stats[2 + self.slots + s])) for s, r in by_slot.items()}
+        self.balancer.observe(seconds, counts, computing=sorted(by_slot.values()))
+        record: dict[str, Any] = {
+            "compute_s": {str(r): round(s, 6) for r, s in sorted(seconds.items()) if counts[r] > 0},
+            "speeds": {str(r): round(v, 3) for r, v in self.balancer.speeds(list(by_slot.values())).items()},
+        }
+        if self.balancer.drained:
+            record["drained"] = sorted(self.balancer.drained)
+        return record
+
+    def slot_weights(self, roster: ReplicaRoster, slots: list[int]) -> dict[int, float] | None:
+        """The planner's weights by slot (None: rebalancing, fixed weights and draining are all off)."""
+        if not self.balancer.settings.changes_the_plan:
+            return None
+        weights = self.balancer.weights([roster.replica_in_slot(s) for s in slots])
+        return None if weights is None else {s: weights[roster.replica_in_slot(s)] for s in slots}
+
+    def weights(self, replicas: list[int]) -> dict[int, float] | None:
+        """The planner's weights by replica (for the orphans of a failure)."""
+        if not self.balancer.settings.changes_the_plan:
+            return None
+        return self.balancer.weights(replicas)

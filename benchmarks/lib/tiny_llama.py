@@ -31,14 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ROPE_THETA = 10000.0
-_U64 = np.uint64
-_MASK64 = (1 << 64) - 1
 
 
 # ------------------------------------------------------------------------------------------------ spec
@@ -247,56 +244,19 @@ def build_optimizer(model: nn.Module, s: TrainSpec) -> torch.optim.AdamW:
 
 
 # ------------------------------------------------------------------------------------------------ data
-def _mix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + _U64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return z ^ (z >> _U64(31))
-
-
-def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    h = _mix64(np.asarray(seed & _MASK64, dtype=_U64))
-    h = _mix64(h ^ np.asarray(epoch & _MASK64, dtype=_U64))
-    h = _mix64(h ^ np.arange(n, dtype=_U64))
-    return np.argsort(h, kind="stable").astype(np.int64)
-
-
 class KJVStream:
-    """The project's addressable sample stream over a ``prepare-data`` folder (shuffled, as its configs run)."""
+    """The project's own addressable sample stream over a ``prepare-data`` folder (shuffled, as its configs run):
+    :class:`nanotron_recover.data.dataset.DatatroveTokenDataset`, which needs only numpy and torch."""
 
     def __init__(self, s: TrainSpec) -> None:
-        folder = Path(s.data_folder)
-        token_size = int(json.loads((folder / "dataset.json").read_text()).get("token_size", 2))
-        dtype = np.dtype("<u2" if token_size == 2 else "<u4")
-        self.s, self.window = s, s.seq + 1
-        self.tokens = [np.memmap(p, dtype=dtype, mode="r") for p in sorted(folder.glob("*.ds")) if p.stat().st_size]
-        counts = [len(t) // self.window for t in self.tokens]
-        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.num_samples = int(self.starts[-1])
-        self._perms: dict[int, np.ndarray] = {}
+        from nanotron_recover.data.dataset import DatatroveTokenDataset
 
-    def _ids(self, positions: np.ndarray) -> np.ndarray:
-        epochs, offsets = np.divmod(positions, self.num_samples)
-        out = np.empty_like(offsets)
-        for e in np.unique(epochs):
-            if int(e) not in self._perms:
-                self._perms = {k: v for k, v in self._perms.items() if k >= int(e) - 1}
-                self._perms[int(e)] = _permutation(self.num_samples, self.s.data_seed, int(e))
-            out[epochs == e] = self._perms[int(e)][offsets[epochs == e]]
-        return out
+        self.dataset = DatatroveTokenDataset(s.data_folder, s.seq, s.micro_batch, s.M, s.data_seed)
 
     def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, label ids) ``[mbs, seq]`` of global microbatch ``step * M + index``."""
-        g = step * self.s.M + index
-        ids = self._ids(np.arange(g * self.s.micro_batch, (g + 1) * self.s.micro_batch, dtype=np.int64))
-        rows = []
-        for sid in ids.tolist():
-            f = int(np.searchsorted(self.starts, sid, side="right") - 1)
-            start = (sid - int(self.starts[f])) * self.window
-            rows.append(np.asarray(self.tokens[f][start:start + self.window], dtype=np.int64))
-        w = torch.from_numpy(np.stack(rows))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        batch = self.dataset.microbatch(step, index)
+        return batch["input_ids"], batch["label_ids"]
 
 
 def chunk(M: int, replicas: int, replica: int) -> list[int]:

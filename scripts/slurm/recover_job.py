@@ -38,18 +38,26 @@ from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
 from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, run_outcome
 
 
-def _info(argv: Sequence[str]) -> int:
+def _load_config(argv: Sequence[str], command: str):
+    """(the trainer's options, the effective config) as the ranks will see them, or None after the error."""
     from nanotron_recover.config import ConfigError
     from nanotron_recover.overrides import add_override_args, load_effective_config
 
-    parser = argparse.ArgumentParser(prog="recover_job.py info")
+    parser = argparse.ArgumentParser(prog=f"recover_job.py {command}")
     add_override_args(parser)
     args = parser.parse_args(argv)
     try:
-        config = load_effective_config(args)
+        return args, load_effective_config(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"recover_job.py: error: {e}", file=sys.stderr)
+        return None
+
+
+def _info(argv: Sequence[str]) -> int:
+    loaded = _load_config(argv, "info")
+    if loaded is None:
         return EXIT_BAD_INPUT
+    config = loaded[1]
     ft = config.fault_tolerance if config.ft_enabled else None
     checkpoints = config.checkpoints.checkpoints_path if config.checkpoints is not None else "checkpoints"
     values = {
@@ -72,18 +80,12 @@ def _info(argv: Sequence[str]) -> int:
 
 def _begin(argv: Sequence[str]) -> int:
     """Before each mpirun: the run folder's launch record (the previous launch's exit records move aside)."""
-    from nanotron_recover.config import ConfigError
     from nanotron_recover.launch import launch_record
-    from nanotron_recover.overrides import add_override_args, load_effective_config
 
-    parser = argparse.ArgumentParser(prog="recover_job.py begin")
-    add_override_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        config = load_effective_config(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"recover_job.py: error: {e}", file=sys.stderr)
+    loaded = _load_config(argv, "begin")
+    if loaded is None:
         return EXIT_BAD_INPUT
+    args, config = loaded
     print(f"launch {begin_launch(Path(args.run_dir), launch_record(config, by='sbatch'))}")
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 
 from nanotron_recover.checkpoint import LATEST, STATE_FILE, check_resumable, resolve_checkpoint
 from nanotron_recover.config import config_from_dict
-from nanotron_recover.run_folder import write_atomically
-from nanotron_recover.runs import run_training
+from nanotron_recover.run_folder import read_metrics_jsonl, write_atomically
+from nanotron_recover.runs import max_relative_param_diff, run_training
 
 STEPS, SAVE_AT = 8, 4
 TIMEOUT_S = 300
@@ -31,6 +32,30 @@ def test_resume_reproduces_the_uninterrupted_run(ft, tiny_config, tmp_path):
     assert [s["step"] for s in resumed.steps] == list(range(SAVE_AT + 1, STEPS + 1))
     diff = np.abs(np.array(resumed.losses) - np.array(full.losses[SAVE_AT:])).max()
     assert diff <= 1e-5, f"resumed losses differ by {diff:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 60)
+def test_the_last_step_is_always_saved_and_a_lost_final_save_is_redone(tiny_config, tmp_path):
+    """The trained model is the job's product: a run whose last step is not a multiple of the interval still ends
+    with it on disk, and a job torn down inside that save (its folder never published, ``latest.txt`` still at the
+    interval's step, every step logged) is a restart for the launcher, whose relaunch writes the same weights."""
+    steps = SAVE_AT + 2
+    config = tiny_config(dp=2, accumulation=2, steps=steps, checkpoint_interval=SAVE_AT,
+                         fault_tolerance={"enabled": True})
+    full = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / LATEST).read_text().strip() == str(steps) and (root / str(SAVE_AT) / STATE_FILE).is_file()
+    shutil.copytree(root / str(steps), tmp_path / "final")
+    # what a teardown between the last step's log line and the final publish leaves on disk
+    shutil.rmtree(root / str(steps))
+    write_atomically(root / LATEST, f"{SAVE_AT}\n")
+    relaunch = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert f"at step {SAVE_AT}" in relaunch.output and (root / LATEST).read_text().strip() == str(steps)
+    logged = [int(r["step"]) for r in read_metrics_jsonl(tmp_path / "run") if "event" not in r]
+    assert logged == [*range(1, steps + 1), *range(SAVE_AT + 1, steps + 1)]  # replayed from the interval's save
+    assert [s["loss"] for s in relaunch.steps] == [s["loss"] for s in full.steps]
+    assert max_relative_param_diff(root / str(steps), tmp_path / "final") <= 1e-6
 
 
 def test_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):

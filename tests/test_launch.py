@@ -79,7 +79,7 @@ def test_the_retries_end(tmp_path: Path) -> None:
     assert proc.stderr.count("launching again") == 2
 
 
-def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2) -> int:
+def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2, saved: int | None = None) -> int:
     from nanotron_recover.config import config_from_dict
     from nanotron_recover.launch import _judge
     from nanotron_recover.run_folder import record_exit
@@ -88,6 +88,9 @@ def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2
     config = config_from_dict(make_tiny_config(steps=10, fault_tolerance={"enabled": True}))
     tmp_path.mkdir(parents=True)
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, last_step + 1)))
+    if saved is not None:
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "latest.txt").write_text(f"{saved}\n")
     for rank, code in enumerate(codes):
         record_exit(tmp_path, rank, code, "test")
     return _judge(tmp_path, config, mpirun_rc)
@@ -101,4 +104,5 @@ def test_the_launcher_exit_code_follows_the_run_not_mpirun(tmp_path: Path) -> No
     assert _judged(tmp_path / "killed", 137, []) == 3
     assert _judged(tmp_path / "bug", 1, [1, 3]) == 1
     assert _judged(tmp_path / "badinput", 2, []) == 2
-    assert _judged(tmp_path / "done", 1, [0, 0], last_step=10) == 0
+    assert _judged(tmp_path / "done", 1, [0, 0], last_step=10, saved=10) == 0
+    assert _judged(tmp_path / "final-save-lost", 1, [0, 0], last_step=10, saved=8) == 3

@@ -133,3 +133,15 @@ def test_a_new_launch_is_judged_by_its_own_exit_records(tmp_path: Path) -> None:
     assert read_exits(tmp_path) == {} and run_outcome(tmp_path, 10, 0)[0] == "restart"
     assert json.loads((tmp_path / "launches" / "1" / "exits" / "rank-0.json").read_text())["code"] == EXIT_ABORTED
     assert [(r["launch"], r["world_size"]) for r in read_launches(tmp_path)] == [(1, 4), (2, 4)]
+
+
+def test_a_run_that_checkpoints_is_done_only_once_its_last_step_is_on_disk(tmp_path: Path) -> None:
+    """A job torn down inside its final save logged every step but holds step 4 on disk: done would hand the user
+    an older model, so it is a restart (the relaunch writes the final checkpoint)."""
+    _write(tmp_path, "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 9)))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest.txt").write_text("4\n")
+    assert run_outcome(tmp_path, 8, 0, needs_final_checkpoint=True)[0] == "restart"
+    assert run_outcome(tmp_path, 8, 0, needs_final_checkpoint=False)[0] == "done"  # a run that keeps no checkpoints
+    (tmp_path / "checkpoints" / "latest.txt").write_text("8\n")
+    assert run_outcome(tmp_path, 8, 0, needs_final_checkpoint=True)[0] == "done"

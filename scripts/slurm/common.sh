@@ -98,7 +98,8 @@ recover_run() {
         "${MPI_CMD[@]}"
         rc=$?
         verdict=$("$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" outcome --run-dir "$RUN_DIR" \
-                  --train-steps "$RECOVER_TRAIN_STEPS" --mpirun-rc "$rc" --checkpoints-path "$RECOVER_CHECKPOINTS_PATH")
+                  --train-steps "$RECOVER_TRAIN_STEPS" --mpirun-rc "$rc" --checkpoints-path "$RECOVER_CHECKPOINTS_PATH" \
+                  --needs-final-checkpoint "${RECOVER_NEEDS_FINAL_CHECKPOINT:-0}")
         set -e
         recover_log "mpirun rc $rc -> $verdict"
         case $verdict in

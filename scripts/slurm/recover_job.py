@@ -68,6 +68,7 @@ def _info(argv: Sequence[str]) -> int:
         "RECOVER_REPLICAS": config.parallelism.dp + config.spare_replicas,
         "RECOVER_MIN_REPLICAS": ft.min_replicas if ft is not None else config.parallelism.dp,
         "RECOVER_CHECKPOINTS_PATH": str(checkpoints),
+        "RECOVER_NEEDS_FINAL_CHECKPOINT": int(config.checkpoints is not None),
     }
     for key, value in values.items():
         print(f"{key}={shlex.quote(str(value))}")
@@ -96,8 +97,11 @@ def _outcome(argv: Sequence[str]) -> int:
     parser.add_argument("--train-steps", required=True, type=int)
     parser.add_argument("--mpirun-rc", required=True, type=int)
     parser.add_argument("--checkpoints-path", default="checkpoints")
+    parser.add_argument("--needs-final-checkpoint", type=int, choices=(0, 1), default=0,
+                        help="1: done only once the last step is checkpointed (the run has a checkpoints section)")
     args = parser.parse_args(argv)
-    verdict, detail = run_outcome(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path)
+    verdict, detail = run_outcome(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path,
+                                  needs_final_checkpoint=bool(args.needs_final_checkpoint))
     print(verdict, detail)
     return OUTCOME_EXIT_CODES[verdict]
 

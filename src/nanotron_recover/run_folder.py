@@ -313,11 +313,13 @@ def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints")
 OUTCOME_EXIT_CODES = {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT, "aborted": EXIT_ABORTED, "restart": EXIT_RESTART}
 
 
-def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
-                checkpoints_path: str = "checkpoints") -> tuple[str, str]:
+def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_path: str = "checkpoints", *,
+                needs_final_checkpoint: bool = False) -> tuple[str, str]:
     """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput" | "aborted", detail)``.
 
-    ``done``: the last step (``train_steps``) was logged or checkpointed. ``badinput``: mpirun returned 2 (the
+    ``done``: the last step (``train_steps``) was checkpointed, or, for a run that writes no checkpoints
+    (``needs_final_checkpoint`` false), logged: a job torn down inside its final save logged every step but holds
+    an older model on disk, and a relaunch writes the final one. ``badinput``: mpirun returned 2 (the
     trainer rejected its input; relaunching cannot help). ``aborted``: a rank's exit record says it aborted the
     job on a bug (exit 1: the same error would come back). Else ``restart``: the trainer stopped below
     ``min_replicas`` (rc 3), a start-up fault or an unresolvable hang ended the job (rc 3), or the job was torn
@@ -330,7 +332,7 @@ def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int,
     codes = sorted({int(e.get("code", -1)) for e in exits.values()})
     detail = (f"last logged step {last}/{train_steps}, mpirun rc {mpirun_rc}, latest checkpoint {ckpt}, "
               f"exit records {len(exits)} (codes {codes})")
-    if last >= train_steps or (ckpt is not None and ckpt >= train_steps):
+    if (ckpt is not None and ckpt >= train_steps) or (last >= train_steps and not needs_final_checkpoint):
         return "done", detail
     if mpirun_rc == EXIT_BAD_INPUT or EXIT_BAD_INPUT in codes:
         return "badinput", detail

@@ -220,6 +220,7 @@ class RecoverTrainer:
         self.dp.startup_complete()  # every rank ready: from here on a fault is recovered, not a restart
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
+        saved = None
         while self.step < total:
             step = self.step + 1
             t0 = time.perf_counter()
@@ -232,6 +233,11 @@ class RecoverTrainer:
             if self.checkpoints.due(step):
                 self._at(Phase.CHECKPOINT)
                 self.save_checkpoint(step)
+                saved = step
+        if self.checkpoints.wants_final() and saved != self.step:
+            # the trained model is the job's product: the launcher calls a run done only once it is on disk, so a
+            # run killed in this save (or resumed at its last step from node-local snapshots) writes it here
+            self.save_checkpoint(self.step)
         self.dp.finish(self.step, self.services)
         self.metrics.close()
 

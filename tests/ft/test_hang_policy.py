@@ -12,9 +12,11 @@ from nanotron_recover.ft.hang_policy import (
     FIRST_STEP_TIMEOUT_S,
     HANG_FLOOR_S,
     HANG_STEP_FACTOR,
+    OWN_PAUSE_S,
     WAITING,
     HangPolicy,
     MainThreadProgress,
+    excuse_own_pause,
     peers_of,
 )
 from nanotron_recover.ft.layout import ReplicaAssignment, ReplicaLayout
@@ -109,3 +111,15 @@ def test_slow_io_is_judged_by_the_io_allowance_and_returns_to_the_phase_it_inter
     assert policy.busy_limit_s(progress.where) == 8
     assert (policy.is_slow_io("checkpoint") and policy.is_slow_io(Phase.METRICS_IO)
             and not policy.is_slow_io("optimizer"))
+
+
+@given(st.lists(st.floats(0.0, 100.0), max_size=8), st.floats(OWN_PAUSE_S, 60.0))
+def test_a_watchers_own_pause_never_counts_as_its_peers_silence(heard: list[float], paused: float) -> None:
+    """A peer heard at t, then a pause of p of the watcher: on waking at now the peer's silence is at most
+    now - (t + p), never the pause itself; a peer heard just now (its queued beats drained) stays at now."""
+    now = 100.0 + paused
+    excused = excuse_own_pause(heard, paused, now)
+    assert len(excused) == len(heard)
+    for before, after in zip(heard, excused):
+        assert after <= now and now - after <= max(0.0, now - before - paused) + 1e-9
+    assert excuse_own_pause([now], paused, now) == [now]

@@ -98,16 +98,20 @@ def test_replicas_override_caps_min_replicas(tmp_path, tiny_config):
     assert effective.fault_tolerance.min_replicas == 2 and effective.tokens.batch_accumulation_per_replica == 2
 
 
-@pytest.mark.parametrize("logged, rc, code", [
-    (4, 0, EXIT_DONE),      # finished
-    (2, 0, EXIT_RESTART),   # mpirun returned 0 but the job was torn down before its last step (a lost node)
-    (2, 3, EXIT_RESTART),   # the trainer stopped below min_replicas
-    (0, 2, EXIT_BAD_INPUT),
+@pytest.mark.parametrize("logged, saved, rc, code", [
+    (4, 4, 0, EXIT_DONE),        # finished: the last step is on disk
+    (4, 2, 0, EXIT_RESTART),     # every step logged, torn down in the final save: the relaunch writes it
+    (2, 2, 0, EXIT_RESTART),     # mpirun returned 0 but the job was torn down before its last step (a lost node)
+    (2, None, 3, EXIT_RESTART),  # the trainer stopped below min_replicas
+    (0, None, 2, EXIT_BAD_INPUT),
 ])
-def test_the_launcher_exit_code_is_judged_from_the_run_dir(tmp_path, tiny_config, logged, rc, code):
+def test_the_launcher_exit_code_is_judged_from_the_run_dir(tmp_path, tiny_config, logged, saved, rc, code):
     config = launch.load_effective_config(_args(_config(tmp_path, tiny_config, steps=4)))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
                                                     for s in range(1, logged + 1)))
+    if saved is not None:
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "latest.txt").write_text(f"{saved}\n")
     assert launch._judge(tmp_path, config, rc) == code
 
 

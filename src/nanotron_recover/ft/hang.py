@@ -55,9 +55,11 @@ from .hang_policy import (
     CHECK_INTERVAL_S,
     HEARTBEAT_PERIOD_S,
     KILL_CONFIRM_S,
+    OWN_PAUSE_S,
     HangMargin,
     HangPolicy,
     MainThreadProgress,
+    excuse_own_pause,
     peers_of,
 )
 from .layout import ReplicaAssignment, ReplicaLayout
@@ -182,9 +184,13 @@ class HangMonitor:
     def _run(self) -> None:
         req = self._post()
         next_beat, last_where, errors = 0.0, (-1, -1), 0
+        previous = time.monotonic()
         while not self._stop.is_set():
             req = self._drain(req)
             now = time.monotonic()
+            if now - previous > OWN_PAUSE_S:
+                self._excuse_own_pause(now - previous - CHECK_INTERVAL_S, now)
+            previous = now
             progress = self.progress
             where = (progress.step, _where_code(progress.where))
             if now >= next_beat or where != last_where:  # a beat, or news of where the main thread is
@@ -198,6 +204,16 @@ class HangMonitor:
                 errors += 1
             self._stop.wait(CHECK_INTERVAL_S)
         cancel_quietly(req)
+
+    def _excuse_own_pause(self, paused_s: float, now: float) -> None:
+        """I was not running for ``paused_s``: silences and kill confirmations count from when I listen again."""
+        peers = list(self._peers.values())
+        for peer, heard in zip(peers, excuse_own_pause([p.last_heard for p in peers], paused_s, now)):
+            peer.last_heard = heard
+        for order, at in zip(self._kills, excuse_own_pause([k.at for k in self._kills], paused_s, now)):
+            order.at = at
+        self.margin.own_pauses += 1
+        self.margin.max_own_pause_s = max(self.margin.max_own_pause_s, paused_s)
 
     def _post(self) -> MPI.Request:
         return self._comm.Irecv([self._inbox, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG)

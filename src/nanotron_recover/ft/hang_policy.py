@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from ..phases import SLOW_IO_PHASES, Phase
 from .layout import ReplicaAssignment, ReplicaLayout
@@ -19,6 +19,9 @@ KILL_CONFIRM_S = 10.0
 HANG_FLOOR_S = 30.0
 HANG_STEP_FACTOR = 5.0
 FIRST_STEP_TIMEOUT_S = 60.0
+# the monitor's own loop running this late means its process (or its whole node) was paused: what it did not hear
+# meanwhile says nothing about its peers (they may have been paused with it, or their beats are still in transit)
+OWN_PAUSE_S = 2 * HEARTBEAT_PERIOD_S
 
 BUSY, WAITING = "busy", "waiting"
 
@@ -106,6 +109,8 @@ class HangMargin:
     max_busy_s: float = 0.0
     max_waiting_s: float = 0.0
     checks: int = 0
+    own_pauses: int = 0  # times this monitor itself was not running for over OWN_PAUSE_S (its silences excused)
+    max_own_pause_s: float = 0.0
 
     def as_dict(self) -> dict:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -123,3 +128,11 @@ def peers_of(layout: "ReplicaLayout | ReplicaAssignment", rank: int) -> list[int
     coords = [c for c, r in ((layout.world_rank(r, local), r) for r in layout.replica_ids)
               if layout.replica_of(c) == r]  # a broken replica's old ranks are not its coordinate any more
     return sorted(set(mates + coords) - {rank})
+
+
+def excuse_own_pause(times: Sequence[float], paused_s: float, now: float) -> list[float]:
+    """Times a watcher measures silence (or a kill's confirmation) from, moved forward by the ``paused_s`` it was
+    not running itself, never past ``now``: after a pause only the time it was listening counts. Without this, a
+    node that a hypervisor or the kernel stalled for longer than the hang timeout wakes up, hears nobody yet, and
+    kills healthy peers on other nodes."""
+    return [min(now, t + paused_s) for t in times]

@@ -8,12 +8,16 @@ instead of waiting.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from nanotron_recover.runs import run_training
+from nanotron_recover.run_folder import last_logged_step
+from nanotron_recover.runs import rank_processes, run_training
 
 from .fake_nodes import fake_nodes_env
 
@@ -66,3 +70,49 @@ def test_a_frozen_node_that_nobody_can_reach_ends_the_job_with_the_restart_outco
     assert unresolvable and "still alive" in unresolvable[0]["detail"], result.events_of("hang_detected")
     assert "ending the job (restart outcome)" in result.output, tail
     assert elapsed < 120, f"the job took {elapsed:.0f} s to end\n{tail}"
+
+
+def _pause_ranks_then_resume(run_dir, ranks: set[int], after_step: int, paused_s: float, log: list[str]) -> None:
+    """SIGSTOP every process of ``ranks`` (the ranks and their watchdogs) once ``after_step`` is logged; SIGCONT
+    them ``paused_s`` later: a node stalled as a whole (a VM or cgroup freeze), then running again."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while last_logged_step(run_dir) < after_step and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = [pid for pid, rank in rank_processes(run_dir).items() if rank in ranks]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    log.append(f"paused {len(pids)} processes after step {after_step}")
+    time.sleep(paused_s)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    log.append("resumed")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_other(tiny_config, tmp_path,
+                                                                                  monkeypatch):
+    """Node 2 (replica 1) stalls whole for the hang timeout + 4 s, then runs again. Node 1's ranks hear the silence
+    and ask node 2's ranks to kill their replica; those wake, do it, and must not judge node 1's ranks by the
+    silence of their own pause (the case of a CI failure: a woken rank killed a healthy rank of the other node and
+    the job lost both replicas). The run finishes on replica 0 with the failure-free losses."""
+    reference = run_training(two_node_config(tiny_config, []), tmp_path / "ref", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
+        monkeypatch.setenv(key, value)
+    log: list[str] = []
+    pauser = threading.Thread(target=_pause_ranks_then_resume, daemon=True,
+                              args=(tmp_path / "run", {2, 3}, FAULT_STEP - 1, HANG_TIMEOUT_S + 4.0, log))
+    pauser.start()
+    result = run_training(two_node_config(tiny_config, []), tmp_path / "run", timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data"])
+    pauser.join(timeout=60)
+    tail = result.output[-5000:]
+    assert len(log) == 2 and log[1] == "resumed" and int(log[0].split()[1]) >= 2, log  # both ranks paused
+    assert [s["step"] for s in result.steps] == list(range(1, STEPS + 1)), tail
+    assert np.abs(np.array(result.losses) - np.array(reference.losses)).max() <= 1e-5, tail
+    hangs = result.events_of("hang_detected")
+    assert hangs and all(h.get("rank") in (2, 3) for h in hangs if "rank" in h), hangs
+    assert {r for e in result.events_of("repair") for r in e["failed_replicas"]} == {1}, tail

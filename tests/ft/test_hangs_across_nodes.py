@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from nanotron_recover.run_folder import last_logged_step
+from nanotron_recover.run_folder import last_logged_step, record_external_fault
 from nanotron_recover.runs import rank_processes, run_training
 
 from .fake_nodes import fake_nodes_env
@@ -79,6 +79,7 @@ def _pause_ranks_then_resume(run_dir, ranks: set[int], after_step: int, paused_s
     while last_logged_step(run_dir) < after_step and time.monotonic() < deadline:
         time.sleep(0.02)
     pids = [pid for pid, rank in rank_processes(run_dir).items() if rank in ranks]
+    record_external_fault(run_dir, "stop-" + "-".join(map(str, sorted(ranks))))  # its hang events are provoked
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     log.append(f"paused {len(pids)} processes after step {after_step}")

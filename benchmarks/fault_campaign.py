@@ -2,8 +2,10 @@
 
 Every trial runs a real job through the user's launcher (``nanotron-recover train``) under ``mpirun --with-ft
 ulfm``, sends its faults for real (SIGKILL / SIGSTOP of ranks or of mpirun by pid, from outside; or a schedule
-the ranks fire themselves at a named phase, ``fault_tolerance.inject``), relaunches while the launcher says
-"restart" (exit 3), and then checks:
+the ranks fire themselves at a named phase, ``fault_tolerance.inject``; or a fake node lost whole, its daemon
+and ranks SIGKILLed and its node-local snapshots removed, on the fake-node bed with one replica per node),
+relaunches while the launcher says "restart" (exit 3; a lost node's trial on a fresh bed of the same size), and
+then checks:
 
 * the job ended by itself: every launch within ``--launch-bound-s`` (no stall), at most ``--relaunches``;
 * the outcome is done, directly or after relaunches that each followed exit 3;
@@ -35,14 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import yaml
+
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
-from nanotron_recover.run_folder import (
-    read_metrics_jsonl,  # noqa: E402
-    record_external_fault,  # noqa: E402
+from nanotron_recover.run_folder import (  # noqa: E402
+    read_metrics_jsonl,
+    record_external_fault,
+    run_id,
 )
 from nanotron_recover.runs import (  # noqa: E402
     final_checkpoint,
@@ -52,6 +57,7 @@ from nanotron_recover.runs import (  # noqa: E402
     rank_processes,
     write_config,
 )
+from nanotron_recover.testbed.fake_nodes import kill_node, write_bed  # noqa: E402
 
 FP32_TOL = 1e-5
 
@@ -78,13 +84,16 @@ class Launch:
     sent: list[str] = field(default_factory=list)
 
 
-def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault], bound_s: float) -> Launch:
-    """One launch through the user's launcher; ``faults`` are sent from outside at their moments."""
+def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault], bound_s: float,
+               bed: Path | None = None) -> Launch:
+    """One launch through the user's launcher; ``faults`` are sent from outside at their moments. With ``bed``
+    (a fake-node bed already written there) the job runs on its nodes."""
     cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data"]
+    env = {**os.environ, **bed_env(bed)} if bed is not None else None
     t0 = time.monotonic()
     with open(run_dir / "launcher.log", "ab") as log:
-        launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     pending = sorted(faults, key=lambda f: (f.after_step, f.delay_s))
     sent: list[str] = []
     due: float | None = None
@@ -102,8 +111,11 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
             if due is not None and now >= due:
                 pending.pop(0)
                 due = None
-                record_external_fault(run_dir, f"{fault.signal}-" + ("-".join(map(str, fault.ranks)) or "mpirun"))
-                if fault.ranks:
+                record_external_fault(run_dir, f"{fault.signal}-" + ("-".join(map(str, fault.ranks)) or
+                                                                    fault.node or "mpirun"))
+                if fault.node is not None and bed is not None:
+                    lose_node(bed, fault.node, run_dir, config_path)
+                elif fault.ranks:
                     pids = rank_pids(run_dir)
                     for rank in fault.ranks:
                         _signal(pids.get(rank), fault.signal)
@@ -120,6 +132,25 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
             stopped_mpirun = None
         time.sleep(0.05)
     return Launch(launcher.returncode, time.monotonic() - t0, sent)
+
+
+def bed_env(bed: Path) -> dict[str, str]:
+    return json.loads((bed / "env.json").read_text())
+
+
+def make_bed(folder: Path, slots_per_node: Sequence[int]) -> Path:
+    """A fresh fake-node bed (one real ``prted`` per node, started by the launch); its environment in env.json."""
+    shutil.rmtree(folder, ignore_errors=True)
+    env = write_bed(folder, slots_per_node)
+    (folder / "env.json").write_text(json.dumps(env))
+    return folder
+
+
+def lose_node(bed: Path, node: str, run_dir: Path, config_path: Path) -> None:
+    """The node's daemon and ranks SIGKILLed, and its memory gone: its node-local snapshot folder removed."""
+    kill_node(bed, node)
+    store = Path(yaml.safe_load(config_path.read_text())["fault_tolerance"]["local_snapshot_dir"])
+    shutil.rmtree(store / run_id(run_dir) / node, ignore_errors=True)
 
 
 def _kill_all(launcher: subprocess.Popen, run_dir: Path) -> None:
@@ -206,7 +237,9 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
     launches: list[Launch] = []
     outcome = "FAIL"
     for attempt in range(1 + relaunches):
-        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s)
+        # a lost node's trial relaunches on a fresh bed of the same size (the node replaced)
+        bed = make_bed(out / "beds" / f"{trial.seed}-{attempt}", shape.nodes) if trial.on_bed() else None
+        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed)
         launches.append(launch)
         if launch.rc is None:
             outcome = "STALL"

@@ -4,6 +4,7 @@ for the multi-process modules that do not carry their own ``pytestmark``."""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ from _pytest.runner import runtestprotocol
 from tests.upstream_crash import failure_texts, open_mpi_crash
 
 STOCK = Path(__file__).parent / "fixtures" / "stock_nanotron.yaml"
+# wandb's offline run (a service process, its handshake, its files) costs each job's logging rank seconds of
+# start-up on 2 cores; the tests of the wandb copy (tests/test_metrics.py, the main job, a logging rank's handover
+# in a fault, the campaign slice) turn it back on with WANDB_MODE=offline, the users' default
+os.environ.setdefault("WANDB_MODE", "disabled")
 # every test of these modules launches real mpirun jobs (each with its own hard timeout)
 SLOW_MODULES = ("ft/test_ft_integ.py", "ft/test_training_faults.py")
 

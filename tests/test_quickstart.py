@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 
 def test_readme_main_job_learns_and_survives_its_failure(tmp_path):
     run_dir = tmp_path / "tiny_llama"
-    env = {**os.environ, "RUN_DIR": str(run_dir)}
+    env = {**os.environ, "RUN_DIR": str(run_dir), "WANDB_MODE": "offline"}  # the users' default (conftest.py)
     proc = subprocess.run(
         ["bash", "scripts/quickstart.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )

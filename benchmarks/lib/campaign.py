@@ -64,6 +64,11 @@ class Shape:
     def replicas(self) -> int:
         return self.dp + self.spares
 
+    @property
+    def nodes(self) -> list[int]:
+        """The slots of each fake node when a trial runs on the bed: one replica per node."""
+        return [self.rpr] * self.replicas
+
 
 SHAPES = (
     Shape("3d-tp2", dp=2, tp=2),
@@ -78,7 +83,7 @@ SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 # Fault kinds. "ext-*" are signals sent from outside, by pid, at a random moment; the others are schedules in the
 # config (``fault_tolerance.inject``), fired by the rank itself at a named phase.
 KINDS = ("ext-kill", "ext-stop", "startup-kill", "startup-stop", "pair-same-replica", "pair-two-replicas",
-         "second-in-repair", "phase", "hang", "launcher-kill", "launcher-stop")
+         "second-in-repair", "phase", "hang", "launcher-kill", "launcher-stop", "node-loss")
 PHASES = ("dataload", "forward", "backward", "reduce", "optimizer", "checkpoint")
 
 
@@ -87,12 +92,15 @@ class ExternalFault:
     """A signal sent from outside: to world rank ``ranks`` (or to mpirun when ``ranks`` is empty), ``delay_s``
     after step ``after_step`` was logged (0: during start-up, ``delay_s`` after the rank processes appeared)."""
 
-    signal: str  # "kill" | "stop"
+    signal: str  # "kill" | "stop" | "node" (the fake node ``node`` lost whole: its daemon and its ranks)
     ranks: list[int]
     after_step: int
     delay_s: float
+    node: str | None = None
 
     def describe(self) -> str:
+        if self.node is not None:
+            return f"node {self.node} lost {self.delay_s:.2f} s after step {self.after_step}"
         whom = f"ranks {self.ranks}" if self.ranks else "mpirun"
         when = f"step {self.after_step}" if self.after_step else "start-up"
         return f"SIG{self.signal.upper()} {whom} {self.delay_s:.2f} s after {when}"
@@ -116,6 +124,10 @@ class Trial:
                     return None
                 ranks.add(spec["replica"] * self.shape.rpr + spec.get("rank", 0))
         return ranks
+
+    def on_bed(self) -> bool:
+        """Whether the trial runs on the fake-node bed (one replica per node)."""
+        return any(f.node is not None for f in self.external)
 
     def describe(self) -> str:
         parts = [f"{s.get('signal', 'kill')} r{s['replica']}.{s.get('rank', 0)} step {s['step']} {s['phase']}"
@@ -170,6 +182,9 @@ def draw_trial(seed: int, shapes: tuple[Shape, ...] = SHAPES, kinds: tuple[str, 
                              "phase": rng.choice(("forward", "backward", "optimizer"))})
     elif kind in ("launcher-kill", "launcher-stop"):
         trial.external.append(ExternalFault(kind[9:], [], step - 1, rng.uniform(0.0, 0.1)))
+    elif kind == "node-loss":  # one replica per fake node; any node, the one holding the logging rank included
+        trial.external.append(ExternalFault("node", [], step - 1, rng.uniform(0.0, 0.1),
+                                            node=f"n{rng.randrange(shape.replicas) + 1}"))
     return trial
 
 

@@ -32,6 +32,11 @@ def test_every_drawn_config_is_valid_and_every_fault_lands_in_the_run(seed: int)
             assert len({r // trial.shape.rpr for r in fault.ranks}) == 1 and len(set(fault.ranks)) == 2
         if trial.kind == "pair-two-replicas":
             assert len({r // trial.shape.rpr for r in fault.ranks}) == 2
+    assert trial.on_bed() == (trial.kind == "node-loss")
+    if trial.on_bed():  # one replica per fake node, the lost one among them
+        (fault,) = trial.external
+        assert sum(trial.shape.nodes) == trial.shape.world_size and not fault.ranks
+        assert fault.node in {f"n{i + 1}" for i in range(len(trial.shape.nodes))}
 
 
 def test_the_draws_cover_every_kind_and_shape() -> None:

@@ -25,7 +25,8 @@ KINDS = ",".join(("ext-kill", "ext-stop", "pair-same-replica", "pair-two-replica
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TRIALS * 400 + 600)]
 
 
-def test_a_seeded_slice_of_the_fault_campaign(tmp_path, capsys):
+def test_a_seeded_slice_of_the_fault_campaign(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the campaign's jobs run as a user's do (conftest.py turns it off)
     seed = int(os.environ.get("NANOTRON_RECOVER_CAMPAIGN_SEED", int(time.time()) % 1_000_000))
     print(f"\nfault campaign slice: seed {seed} (rerun: python benchmarks/fault_campaign.py --seed {seed} "
           f"--trials {TRIALS} --kinds {KINDS})")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotron_recover.run_folder import read_exits
+from nanotron_recover.metrics import find_wandb_run_files
+from nanotron_recover.run_folder import read_exits, read_logged_step
 from nanotron_recover.runs import RunResult, run_training
 
 STEPS = 6
@@ -71,14 +72,16 @@ def test_three_replicas_tp2_survive_a_kill_in_each_phase(phase, tiny_config, tmp
         assert (ended[rank]["code"], ended[rank]["reason"]) == (0, "finished"), ended
 
 
-def test_victim_is_world_rank_zero_logging_moves_on(tiny_config, tmp_path, tmp_path_factory):
+def test_victim_is_world_rank_zero_logging_moves_on(tiny_config, tmp_path, tmp_path_factory, monkeypatch):
     reference = reference_losses(tiny_config, tmp_path_factory, dp=3, tp=2)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the new logging rank starts wandb inside a step (conftest.py)
     result = run_with_failures(
         tiny_config, tmp_path, dp=3, tp=2, inject=[{"step": FAIL_STEP, "replica": 0, "rank": 0, "phase": "backward"}]
     )
     # steps after the failure were logged by the new lowest live rank (world rank 2)
     assert_survived(result, reference, m=6, failed_replicas={0})
     assert read_exits(tmp_path)[1]["code"] == 0
+    assert find_wandb_run_files(tmp_path) and read_logged_step(tmp_path) == STEPS  # and wandb's copy moved with it
 
 
 def test_two_replicas_die_in_the_same_step(tiny_config, tmp_path, tmp_path_factory):

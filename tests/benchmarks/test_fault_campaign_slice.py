@@ -18,10 +18,10 @@ from benchmarks import fault_campaign
 TRIALS = 2  # each trial is a real job with relaunches: ~1 min on 2 cores; the full campaign runs outside CI
 # The kinds a campaign has run clean (README, "Fault campaign"), so that a new seed tests new schedules of them
 # and a red CI means a regression; a kind joins once a campaign of its own has passed. Left out: the start-up
-# kinds (each costs a start-up timeout, ~110 s here; tests/ft/test_startup_faults.py scripts them), and "phase"
-# and "second-in-repair", which the campaign has run too few times yet.
-KINDS = ",".join(("ext-kill", "ext-stop", "pair-same-replica", "pair-two-replicas", "hang", "launcher-kill",
-                  "launcher-stop"))
+# kinds (each costs a start-up timeout, ~110 s here; tests/ft/test_startup_faults.py scripts them), and
+# "second-in-repair" and "node-loss", which the campaign has run too few times yet.
+KINDS = ",".join(("ext-kill", "ext-stop", "pair-same-replica", "pair-two-replicas", "phase", "hang",
+                  "launcher-kill", "launcher-stop"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TRIALS * 400 + 600)]
 
 

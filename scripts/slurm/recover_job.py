@@ -68,7 +68,7 @@ def _info(argv: Sequence[str]) -> int:
         "RECOVER_REPLICAS": config.parallelism.dp + config.spare_replicas,
         "RECOVER_MIN_REPLICAS": ft.min_replicas if ft is not None else config.parallelism.dp,
         "RECOVER_CHECKPOINTS_PATH": str(checkpoints),
-        "RECOVER_NEEDS_FINAL_CHECKPOINT": int(config.checkpoints is not None),
+        "RECOVER_NEEDS_FINAL_CHECKPOINT": int(config.saves_final_checkpoint),
     }
     for key, value in values.items():
         print(f"{key}={shlex.quote(str(value))}")

@@ -144,10 +144,6 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         return self.interval is not None and step % self.interval == 0
 
-    def wants_final(self) -> bool:
-        """A run with a ``checkpoints`` section ends with its last step on disk, whatever the interval."""
-        return self.interval is not None
-
     def latest(self) -> Path | None:
         return resolve_checkpoint(self.root) if self.root.is_dir() else None
 

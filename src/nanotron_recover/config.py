@@ -154,6 +154,12 @@ class RecoverConfig(Config):
         return (self.parallelism.dp + self.spare_replicas) * self.ranks_per_replica
 
     @property
+    def saves_final_checkpoint(self) -> bool:
+        """A run with a ``checkpoints`` section ends with its last step on disk, whatever the interval: the trainer
+        writes it, and the launcher calls the run done only once it is there."""
+        return self.checkpoints is not None
+
+    @property
     def microbatches_per_step(self) -> int:
         """M: global microbatches committed by every step (the failure-free run's count)."""
         return self.parallelism.dp * self.tokens.batch_accumulation_per_replica

@@ -180,7 +180,7 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:
     ended the job with the restart outcome (a start-up timeout). Any run that did not reach its last step and
     whose ranks recorded no bug exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it."""
     verdict, detail = run_outcome(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config),
-                                  needs_final_checkpoint=config.checkpoints is not None)
+                                  needs_final_checkpoint=config.saves_final_checkpoint)
     if verdict == "restart":
         print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
               "resume from latest.txt", file=sys.stderr, flush=True)

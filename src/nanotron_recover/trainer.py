@@ -234,7 +234,7 @@ class RecoverTrainer:
                 self._at(Phase.CHECKPOINT)
                 self.save_checkpoint(step)
                 saved = step
-        if self.checkpoints.wants_final() and saved != self.step:
+        if self.config.saves_final_checkpoint and saved != self.step:
             # the trained model is the job's product: the launcher calls a run done only once it is on disk, so a
             # run killed in this save (or resumed at its last step from node-local snapshots) writes it here
             self.save_checkpoint(self.step)

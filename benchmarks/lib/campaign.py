@@ -8,6 +8,7 @@ which step, which phase, how long after the step was logged). So any trial rerun
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,18 @@ class Shape:
     @property
     def replicas(self) -> int:
         return self.dp + self.spares
+
+    @property
+    def forms(self) -> bool:
+        """Whether two broken replicas' survivors can form a new one here: recycling, two-rank replicas (each
+        broken one leaves one survivor) and a third replica that stays whole."""
+        return self.recycle and self.rpr == 2 and self.replicas >= 3
+
+    def with_recycle(self, on: bool) -> Shape:
+        """This shape with recycling switched on or off (the name says so when it differs from the shape's own)."""
+        if on == self.recycle:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}{'+recycle' if on else '-recycle'}", recycle=on)
 
     @property
     def nodes(self) -> list[int]:
@@ -192,9 +205,10 @@ def _phase_fault(rng: random.Random, shape: Shape, step: int, replica: int, loca
     """A kill (or a freeze) in a named phase; with a spare or recycling also inside a state transfer (after the
     fault that starts it), with recycling as a formation begins."""
     phases = list(PHASES)
-    if shape.spares or shape.recycle:
+    two_broken = shape.forms and not shape.spares  # a transfer to a formed replica, not to a spare
+    if shape.spares or two_broken:
         phases.append("transfer")
-    if shape.recycle:
+    if shape.forms:
         phases.append("forming")
     phase = rng.choice(phases)
     signal = rng.choice(("kill", "kill", "stop"))
@@ -202,7 +216,7 @@ def _phase_fault(rng: random.Random, shape: Shape, step: int, replica: int, loca
         return [{"step": CHECKPOINT_INTERVAL, "replica": replica, "rank": local, "phase": phase, "signal": signal}]
     if phase == "transfer":  # replica 1 lost in backward makes a transfer at the step's end: hit a side of it
         lost = [{"step": step, "replica": 1, "rank": local, "phase": "backward"}]
-        if shape.recycle:  # a second broken replica: the pool holds a replica's worth of ranks, which form one
+        if two_broken:  # a second broken replica: the pool holds a replica's worth of ranks, which form one
             lost.append({"step": step, "replica": 2, "rank": 1 - local, "phase": "backward"})
         receiver = shape.dp  # the spare's id (dp), or the first recycled replica's (dp + 0 spares)
         side = rng.choice((0, receiver))  # the donor (the only holder of the committed state) or the receiver

@@ -18,9 +18,13 @@ def test_a_trial_is_a_function_of_its_seed() -> None:
     assert len({draw_trial(seed).describe() for seed in range(50)}) > 40  # seeds do vary the schedule
 
 
+RECYCLING_ON = tuple(s.with_recycle(True) for s in SHAPES)  # ``fault_campaign.py --recycle on``
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, RECYCLING_ON], ids=["own", "recycle-on"])
 @pytest.mark.parametrize("seed", range(0, 400, 7))
-def test_every_drawn_config_is_valid_and_every_fault_lands_in_the_run(seed: int) -> None:
-    trial = draw_trial(seed)
+def test_every_drawn_config_is_valid_and_every_fault_lands_in_the_run(seed: int, shapes) -> None:
+    trial = draw_trial(seed, shapes)
     config = config_from_dict(trial.shape.config(trial.inject, "/dev/shm/unused"))  # raises on a bad schedule
     assert config.microbatches_per_step == trial.shape.M
     for spec in trial.inject:
@@ -53,3 +57,13 @@ def test_frozen_ranks_name_what_the_trial_freezes() -> None:
     for t in stops:
         frozen = t.frozen_ranks()
         assert frozen is None or len(frozen) == 1
+
+
+def test_recycling_switched_on_everywhere_keeps_each_shape_and_names_it() -> None:
+    assert all(s.recycle for s in RECYCLING_ON)
+    assert [s.with_recycle(s.recycle) for s in SHAPES] == list(SHAPES)  # a shape's own setting: unchanged
+    assert {s.name for s in RECYCLING_ON} == {s.name if s.recycle else f"{s.name}+recycle" for s in SHAPES}
+    # only shapes whose survivors can form a replica get the formation faults
+    trials = [draw_trial(seed, RECYCLING_ON) for seed in range(600)]
+    forming = {t.shape.name for t in trials for s in t.inject if s.get("phase") == "forming"}
+    assert forming and all(next(s for s in RECYCLING_ON if s.name == n).forms for n in forming)

@@ -353,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle}; launch bound {args.launch_bound_s:g} s; out {out}",
+        f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle};"
+        f" launch bound {args.launch_bound_s:g} s; out {out}",
         flush=True,
     )
     results = []

@@ -10,7 +10,8 @@ Writes scale.json / scale.md / scale.png under --out (default benchmarks/results
   ettr_100k_recover=<x> ettr_100k_ckpt_restart=<y> ettr_100k_best=<z> best_policy=<name>
 
 x: ReCoVer as coded (no spares, its best min_replicas); y: stock checkpoint-restart; z, name: the best policy
-the code can run (hypothetical policies left out), at 100,000 GPUs.
+the code can run (hypothetical policies left out), at 100,000 GPUs. ``recover_recycle`` is ``recover_spares`` with
+the same settings plus ``fault_tolerance.recycle``, so those two columns differ by recycling alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from nanotron_recover.sim.params import Params, describe  # noqa: E402
 from nanotron_recover.sim.plan import _coerce  # noqa: E402
 
 SIZES = (1024, 4096, 16384, 65536, 100_000, 131_072)
-ORDER = ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_node_tolerant")
+ORDER = ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle", "recover_node_tolerant")
 
 
 def sweep(sizes: Sequence[int], tp: int, pp: int, p: Params, days: float, seeds: int) -> list[dict]:
@@ -46,6 +47,7 @@ def sweep(sizes: Sequence[int], tp: int, pp: int, p: Params, days: float, seeds:
         policies = [P.ckpt_restart(best.ckpt_restart_interval), P.shrinking(best.checkpoint_interval, 1),
                     P.recover(best.checkpoint_interval, plain.min_replicas),
                     P.recover_spares(best.checkpoint_interval, best.spare_replicas, best.min_replicas),
+                    P.recover_recycle(best.checkpoint_interval, best.spare_replicas, best.min_replicas),
                     P.recover_node_tolerant(best.checkpoint_interval, best.spare_replicas, best.min_replicas)]
         res = run_policies(c, p, policies, horizon, range(seeds))
         rows.append({"gpus": gpus, "replicas": c.slots, "mttf_min": p.mttf_hours(c.job_gpus) * 60,

@@ -97,7 +97,7 @@ def test_a_node_loss_ends_the_job_as_coded_but_not_in_the_hypothetical_runtime()
 @given(
     gpus=st.integers(8, 256), rpr=st.sampled_from([1, 2, 4, 8]), mttf=st.floats(0.05, 5.0),
     node_fraction=st.floats(0.0, 1.0), spares=st.integers(0, 2), seed=st.integers(0, 10_000),
-    which=st.sampled_from(["ckpt", "shrink", "recover", "spares", "node_tolerant"]),
+    which=st.sampled_from(["ckpt", "shrink", "recover", "spares", "recycle", "node_tolerant"]),
     mode=st.sampled_from(["queue", "reset"]),
 )
 def test_accounting_invariants(gpus, rpr, mttf, node_fraction, spares, seed, which, mode):
@@ -106,7 +106,8 @@ def test_accounting_invariants(gpus, rpr, mttf, node_fraction, spares, seed, whi
     c = Cluster(gpus, tp=rpr)
     p = GPU.with_(job_mttf_hours=mttf, node_fraction=node_fraction, failure_during_stall=mode, hang_fraction=0.5)
     pol = {"ckpt": P.ckpt_restart(3), "shrink": P.shrinking(5), "recover": P.recover(5, 2),
-           "spares": P.recover_spares(5, spares, 2), "node_tolerant": P.recover_node_tolerant(5, spares)}[which]
+           "spares": P.recover_spares(5, spares, 2), "recycle": P.recover_recycle(5, spares, 2),
+           "node_tolerant": P.recover_node_tolerant(5, spares)}[which]
     r = simulate(c, pol, p, horizon_s=2 * 86400.0, seed=seed)
     assert 0.0 <= r.ettr <= 1.0 + 1e-9
     assert r.process_s <= c.gpus * r.wall_s * (1 + 1e-9)
@@ -116,6 +117,7 @@ def test_accounting_invariants(gpus, rpr, mttf, node_fraction, spares, seed, whi
     else:
         assert r.tokens <= r.steps * full_step_tokens * (1 + 1e-9)
     assert r.crashes + r.requeues <= r.failures
+    assert r.formations <= r.failures and (r.formations == 0 or pol.recycle)
 
 
 def test_the_same_seed_gives_every_policy_the_same_failure_stream():
@@ -140,3 +142,55 @@ def test_without_replacement_a_relaunch_regains_only_repaired_hardware():
     # never repaired: the relaunch has 2 replicas (quota 4: 4 s steps); repaired within 1 s: 4 again (2 s steps)
     assert never.wall_s > quick.wall_s + 5 * 1.5
     assert never.tokens == quick.tokens == 10 * 8 * 10  # M kept either way
+
+
+RECYCLE = GPU.with_(formation_s=3.0)  # a formation costs 3 s (no state to transfer: state_gb_per_rank 0)
+
+
+def test_recycling_forms_a_replica_from_two_broken_replicas_survivors():
+    """4 replicas x TP2, M = 8: slot 3 and then slot 2 lose a GPU; with recycling their two survivors form a
+    replica, so 3 replicas compute after the second failure (quota 3) instead of 2 (quota 4)."""
+    c, sched = Cluster(8, tp=2), [ScheduledFailure(2.5, (3,)), ScheduledFailure(4.5, (2,))]
+    kw = dict(target_steps=10, scheduled=sched, random_failures=False)
+    off = simulate(c, P.recover(None), RECYCLE, **kw)
+    on = simulate(c, P.recover_recycle(None), RECYCLE, **kw)
+    # before: 2 s steps; 3 replicas: quota 3 and 1 s of orphans; 2 replicas: 2 s of orphans (3 over 2), quota 4
+    assert off.wall_s == pytest.approx(2.5 * 2 + 1 + 2 * 3 + 2 + 5.5 * 4)
+    assert (off.formations, on.formations) == (0, 1)
+    # recycling: the same until the second failure's orphans, then the formation (3 s) and quota 3 again
+    assert on.wall_s == pytest.approx(2.5 * 2 + 1 + 2 * 3 + 2 + 3.0 + 5.5 * 3)
+    assert on.tokens == off.tokens == pytest.approx(10 * 8 * 10)  # M kept either way
+    # the pooled GPU holds hardware: 7 processes live between the failures (6 without recycling), then the formed
+    # replica's 2 computing: 6 (4 without)
+    assert off.process_s == pytest.approx(8 * 5 + 6 * (1 + 6) + 4 * (2 + 5.5 * 4))
+    assert on.process_s == pytest.approx(8 * 5 + 7 * (1 + 6) + 6 * (2 + 3 + 5.5 * 3))
+
+
+def test_a_pooled_gpu_that_dies_leaves_the_pool_and_a_formed_replica_that_breaks_goes_back_to_it():
+    c = Cluster(8, tp=2)  # GPUs 2s, 2s+1 in slot s
+    pool_death = [ScheduledFailure(2.5, (), gpus=(6,)), ScheduledFailure(3.5, (), gpus=(7,)),
+                  ScheduledFailure(4.5, (), gpus=(4,))]
+    r = simulate(c, P.recover_recycle(None), RECYCLE, target_steps=10, scheduled=pool_death, random_failures=False)
+    assert (r.failures, r.formations) == (3, 0)  # GPU 7 died in the pool: GPU 5 waits alone
+    formed_breaks = [ScheduledFailure(2.5, (), gpus=(6,)), ScheduledFailure(4.5, (), gpus=(4,)),
+                     ScheduledFailure(6.5, (), gpus=(5,)), ScheduledFailure(7.5, (), gpus=(0,))]
+    r = simulate(c, P.recover_recycle(None), RECYCLE, target_steps=10, scheduled=formed_breaks,
+                 random_failures=False, log_events=True)
+    # GPUs 5 and 7 form a replica after step 4.5; GPU 5 dies in it (7 back in the pool), slot 0 breaks: 7 and 1
+    # form another
+    assert (r.failures, r.formations) == (4, 2)
+    assert r.tokens == pytest.approx(10 * 8 * 10)
+
+
+def test_a_replica_formed_while_every_slot_is_held_waits_as_a_spare():
+    """4 training replicas x TP2 + 2 spares: two failures use both spares and leave two survivors, which form a
+    replica; every slot is held, so it waits as a spare and takes the third failure's slot: quota 2 throughout."""
+    c = Cluster(12, tp=2)
+    sched = [ScheduledFailure(2.5, (0,)), ScheduledFailure(4.5, (1,)), ScheduledFailure(6.5, (2,))]
+    r = simulate(c, P.recover_recycle(None, spares=2), RECYCLE, target_steps=10, scheduled=sched,
+                 random_failures=False)
+    assert (r.spares_used, r.formations) == (3, 1)
+    # 2 s steps throughout; each failure: 1 s of orphans (2 over 4 replicas); the formation: 3 s
+    assert r.wall_s == pytest.approx(10 * 2 + 3 * 1 + 3.0)
+    plain = simulate(c, P.recover_spares(None, 2), RECYCLE, target_steps=10, scheduled=sched, random_failures=False)
+    assert plain.spares_used == 2 and plain.wall_s > r.wall_s  # the third failure leaves 3 replicas: quota 3

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from nanotron_recover.launch import main as launch_main
@@ -9,11 +11,12 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "benchmark
 def test_plan_prints_every_policy_and_the_recommendations(capsys):
     assert launch_main(["plan", "--gpus", "1024", "--tp", "8", "--pp", "4", "--days", "3", "--seeds", "1"]) == 0
     out = capsys.readouterr().out
-    for name in ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_node_tolerant"):
+    for name in ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle", "recover_node_tolerant"):
         assert f"| {name} |" in out
     for key in ("spare_replicas:", "min_replicas:", "checkpoint_interval:", "Young/Daly"):
         assert key in out
     assert "HYPOTHETICAL" in out and "recycling" in out
+    assert re.search(r"fault_tolerance\.recycle: (true|false) +\(recover_recycle ETTR [0-9.]+ vs [0-9.]+ without", out)
     assert "job_mttf_hours | 7.9 (at 1024 GPUs)" in out  # the 2410.21680 anchor at 1k GPUs
 
 

@@ -12,8 +12,8 @@ def test_scale_last_line_and_outputs(tmp_path, capsys):
     assert m, line
     rec, ckpt, best = map(float, m.groups()[:3])
     assert 0 < ckpt <= 1 and 0 < rec <= 1 and best >= max(rec, ckpt) - 1e-9
-    assert m[4] in ("ckpt_restart", "shrinking", "recover", "recover_spares")  # never a hypothetical policy
+    assert m[4] in ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle")  # never hypothetical
     assert capsys.readouterr().out.strip().splitlines()[-1] == line
     md = (tmp_path / "scale.md").read_text()
-    assert "| 1024 |" in md and "| 100000 |" in md
+    assert "| 1024 |" in md and "| 100000 |" in md and "recover_recycle ETTR" in md
     assert (tmp_path / "scale.json").is_file()

@@ -37,6 +37,7 @@ class ScheduledFailure:
     step: float
     slots: tuple[int, ...]
     kind: str = "gpu"  # gpu | node (a node: every slot listed loses its node)
+    gpus: tuple[int, ...] = ()  # instead of ``slots``: exactly these GPUs die (a pooled one, a formed replica's)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class SimResult:
     crashes: int = 0  # job ends that roll back to a checkpoint
     requeues: int = 0  # planned checkpoint + relaunch below min_replicas
     spares_used: int = 0
+    formations: int = 0  # replicas formed from recycled ranks
     stall_s: float = 0.0  # wall time the job spent not training (startup excluded)
     ideal_tokens_per_gpu_s: float = 0.0
     failure_free_tokens_per_s: float = 0.0  # this policy's own rate without failures (its checkpoints included)
@@ -130,10 +132,25 @@ class _Run:
         n_spares = min(self.pol.spare_replicas, max(0, len(usable) - 1))
         self.active = set(usable[: len(usable) - n_spares])
         self.spares = list(usable[len(usable) - n_spares:])
+        self.pool: set[int] = set()  # recycling: healthy GPUs of failed replicas, waiting to form one
+        self.formed: dict[int, tuple[int, ...]] = {}  # a formed replica's id (>= slots) -> its GPUs
+        self.owner: dict[int, int] = {}  # a GPU of a formed replica -> that replica's id
         self.generation += 1
 
     def job_procs(self) -> int:
-        return (len(self.active) + len(self.spares)) * self.c.ranks_per_replica
+        return (len(self.active) + len(self.spares)) * self.c.ranks_per_replica + len(self.pool)
+
+    def gpus_of(self, slot: int) -> tuple[int, ...]:
+        if slot in self.formed:
+            return self.formed[slot]
+        r = self.c.ranks_per_replica
+        return tuple(range(slot * r, (slot + 1) * r))
+
+    def replica_of(self, gpu: int) -> int | None:
+        """The replica a GPU computes in now (None: in the pool)."""
+        if gpu in self.pool:
+            return None
+        return self.owner.get(gpu, self.c.slot_of_gpu(gpu))
 
     # -- rates
     def quota(self) -> int:
@@ -220,10 +237,32 @@ class _Run:
     def _in_restart(self) -> bool:
         return self.phase != "run" and self.pending[0][0] in ("teardown", "restart", "startup", "exit")
 
-    def fail(self, slots: Iterable[int], node: bool) -> None:
+    def fail_gpus(self, gpus: Iterable[int], node: bool) -> None:
+        """These GPUs die: the replicas they compute in fail; pooled ones leave the pool (one more repair)."""
+        gpus = set(gpus)
+        slots = sorted({r for r in map(self.replica_of, gpus) if r is not None})
+        pooled = gpus & self.pool
+        if pooled and not self.done and not [s for s in slots if s in self.active or s in self.spares]:
+            self.res.failures += 1
+            self.res.node_failures += int(node)
+            if self._in_restart():
+                return
+            if node and self.pol.node_loss_ends_job:
+                self._crash(len(pooled))
+                return
+            self.pool -= pooled
+            self._push("stall", self.p.detect_s + self.p.repair_at(self.job_procs()), self.job_procs())
+            return
+        self.pool -= pooled
+        self.fail(slots, node, dead=gpus)
+
+    def fail(self, slots: Iterable[int], node: bool, dead: set[int] | None = None) -> None:
+        """Replicas ``slots`` lose GPUs ``dead`` (default: each its first)."""
         slots = [s for s in slots if s in self.active or s in self.spares]
         if not slots or self.done:
             return  # hardware the job does not use (failed before, not replaced)
+        if dead is None:
+            dead = {self.gpus_of(s)[0] for s in slots}
         self.res.failures += 1
         self.res.node_failures += int(node)
         if self._in_restart():
@@ -255,6 +294,8 @@ class _Run:
             self._lose(s)
             if self.pol.rejoin:
                 heapq.heappush(self.rejoins, (self.t + self.p.rejoin_s, self.generation, s))
+        if self.pol.recycle:
+            self._pool_survivors(slots, dead)
         for s in lost_active:
             if self.spares:
                 self.active.add(self.spares.pop())
@@ -276,20 +317,47 @@ class _Run:
             orphans = q_before * len(lost_active)
             share = max(1.0, self.job_procs() / self.p.devices) if self.p.devices else 1.0
             stall += math.ceil(orphans / len(self.active)) * self.p.mb_s * share
+        stall += self._form_from_pool()
         self._push("stall", stall, self.job_procs())
         self._event(f"in-place ({len(lost_active)} replica(s) left, {len(self.active)} active)")
+
+    # -- recycling
+    def _pool_survivors(self, slots: Iterable[int], dead: set[int]) -> None:
+        """The healthy GPUs of the failed replicas join the pool; a formed replica's id is gone."""
+        for s in slots:
+            self.pool |= set(self.gpus_of(s)) - dead
+            for g in self.formed.pop(s, ()):
+                self.owner.pop(g, None)
+
+    def _form_from_pool(self) -> float:
+        """At the step boundary, each replica's worth of pooled GPUs forms a replica: it takes a free slot (or
+        waits as a spare), after the formation and the state transfer, which the whole job waits for."""
+        r, stall = self.c.ranks_per_replica, 0.0
+        while len(self.pool) >= r:
+            members = tuple(sorted(self.pool)[:r])
+            self.pool -= set(members)
+            rid = self.c.slots + self.res.formations  # ids never reused
+            self.formed[rid] = members
+            self.owner.update({g: rid for g in members})
+            (self.active.add if len(self.active) < self.R0 else self.spares.append)(rid)
+            self.res.formations += 1
+            stall += self.p.formation_s + self.p.transfer_s()
+        return stall
 
     def random_failure(self) -> None:
         node = self.rng.random() < self.p.node_fraction
         if node:
             n = self.rng.randrange(self.c.nodes)
-            self.fail(self.c.slots_of_node(n), node=True)
+            first = n * self.c.gpus_per_node
+            self.fail_gpus(range(first, min(first + self.c.gpus_per_node, self.c.job_gpus)), node=True)
         else:
-            g = self.rng.randrange(self.c.job_gpus)
-            self.fail([self.c.slot_of_gpu(g)], node=False)
+            self.fail_gpus([self.rng.randrange(self.c.job_gpus)], node=False)
 
     def scheduled_failure(self, f: ScheduledFailure) -> None:
-        self.fail(f.slots, node=f.kind == "node")
+        if f.gpus:
+            self.fail_gpus(f.gpus, node=f.kind == "node")
+        else:
+            self.fail(f.slots, node=f.kind == "node")
 
 
 def simulate(

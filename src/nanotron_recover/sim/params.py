@@ -16,6 +16,8 @@ The scaling models (how a cost measured on 8 processes grows to 100k GPUs) are e
   * processes`` where processes share devices, as on our 2-core CPU; the same for ``exit_s``).
 * checkpoint save / load: ``ckpt_fixed_s + state_gb_per_rank / storage_gb_per_s`` (ranks write in parallel).
 * state transfer to a spare: ``state_gb_per_rank / transfer_gb_per_s`` (ranks send in parallel).
+* a recycled replica's formation (world split, torch rendezvous, model build; the job waits at the step
+  boundary): ``formation_s``, then the state transfer as for a spare.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Params:
     state_gb_per_rank: float = 10.0  # parameters + fp32 masters + Adam moments held by one rank
     transfer_gb_per_s: float = 25.0  # per-rank state transfer bandwidth (spare activation, rejoin)
     rejoin_s: float = 1800.0  # shrinking batch (torchft-style): failure -> a replacement replica rejoins
+    formation_s: float = 30.0  # recycling: pooled ranks -> a built replica (the state transfer comes on top)
     # -- checkpoint-restart
     ckpt_fixed_s: float = 5.0
     storage_gb_per_s: float = 2.0  # per-rank checkpoint write / read bandwidth
@@ -140,6 +143,9 @@ _DEFAULT_SOURCES = {
     "restart_per_node_s": "anchor: FT-HSDP (arXiv 2602.00277) ~10 min stall per failure at ~100K GPUs",
     "failure_during_stall": "model choice: FT-HSDP's 44%/80% read as 1 - stall/MTBF",
     "replacement": "model choice: the scheduler hands back a full allocation on relaunch",
+    "formation_s": "assumption: NCCL communicator set-up and model build of a new replica at scale; measured "
+                   "0.111 s on the 2-core CPU (12 ranks, benchmarks/recycle_bench.py formed -> active, transfer "
+                   "included)",
 }
 
 

@@ -86,6 +86,7 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         P.shrinking(rec.checkpoint_interval, 1),
         P.recover(rec.checkpoint_interval, rec0.min_replicas),
         P.recover_spares(rec.checkpoint_interval, rec.spare_replicas, rec.min_replicas),
+        P.recover_recycle(rec.checkpoint_interval, rec.spare_replicas, rec.min_replicas),
         P.recover_node_tolerant(rec.checkpoint_interval, rec.spare_replicas, rec.min_replicas),
     ]
     results = run_policies(cluster, p, policies, horizon, seed_list)
@@ -101,6 +102,7 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
                      f"{r['tokens_per_gpu_hour']:.4g} | {r['tokens_lost_per_failure']:.4g} | {r['failures']:.0f} | "
                      f"{r['crashes']:.0f} / {r['requeues']:.0f} | {pol.note} |")
     save = p.ckpt_save_s()
+    recycle_wins = results["recover_recycle"]["ettr"] >= results["recover_spares"]["ettr"]
     tau_ckpt = young_daly_s(save, rollback_mtbf_s(cluster, p, False))
     tau_rec = young_daly_s(save, rollback_mtbf_s(cluster, p, True))
     lines += [
@@ -112,8 +114,10 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         f"node-loss MTBF {rollback_mtbf_s(cluster, p, True) / 3600:.3g} h) = {tau_rec:.4g} s)",
         f"  stock checkpoint-restart: checkpoint_interval {rec.ckpt_restart_interval} steps (sqrt(2 x {save:.3g} s x "
         f"MTBF {mtbf_h:.3g} h) = {tau_ckpt:.4g} s)",
-        "", "Not simulated as a feature of the code: recycling the surviving ranks of a failed replica into new "
-        "replicas (the code does not do it); growing a running job back (it cannot, on this Open MPI).",
+        f"  fault_tolerance.recycle: {str(recycle_wins).lower()}   (recover_recycle ETTR "
+        f"{results['recover_recycle']['ettr']:.3f} vs {results['recover_spares']['ettr']:.3f} without: a failed "
+        "replica's healthy ranks form new replicas, and the job waits formation_s for each)",
+        "", "Not simulated as a feature of the code: growing a running job back (it cannot, on this Open MPI).",
         "", "Parameters (name | value | source):", "",
     ]
     lines += [f"  {n} | {v} | {s}" for n, v, s in describe(p, cluster.job_gpus, cluster.pp, cluster.gpus_per_node)]

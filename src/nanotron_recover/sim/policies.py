@@ -2,8 +2,9 @@
 
 The ReCoVer policies follow the code as it is (nanotron_recover 0.1, 2026-12): a failed process takes its whole
 replica out; the survivors recompute its microbatches in the same step and keep M; spares replace failed
-replicas first; nothing ever joins a running job again (growing by spawning is unsafe on this Open MPI; the
-code's recycling of a failed replica's surviving ranks into new replicas is not modelled yet);
+replicas first; with recycling (``fault_tolerance.recycle``) the failed replica's healthy ranks wait in a pool and
+form a new replica once it holds a replica's worth of ranks; nothing else joins a running job again (growing by
+spawning is unsafe on this Open MPI);
 below ``min_replicas`` the job checkpoints and exits 3, and the requeued job starts at full size. A node's
 daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (README, "Running on many nodes"), so a node loss is a crash and a
 relaunch; the relaunch resumes from the node-local snapshots of the last committed step (``local_snapshot_interval: 1``,
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Policy", "ckpt_restart", "shrinking", "recover", "recover_spares", "recover_node_tolerant",
-           "standard_policies"]
+__all__ = ["Policy", "ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle",
+           "recover_node_tolerant", "standard_policies"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Policy:
     checkpoint_interval: int | None = None  # steps between periodic checkpoints (None: never)
     recover_path: bool = False  # pays Params.recover_step_factor (the ULFM path's failure-free overhead)
     local_snapshots: bool = False  # a crash rolls back to the last committed step, not the last checkpoint
+    recycle: bool = False  # a failed replica's healthy ranks pool and form new replicas (Params.formation_s)
     hypothetical: bool = False  # not what the code does
     note: str = ""
 
@@ -61,6 +63,13 @@ def recover_spares(interval: int | None, spares: int, min_replicas: int = 1) -> 
                                                  note=f"ReCoVer + {spares} spare replicas")
 
 
+def recover_recycle(interval: int | None, spares: int = 0, min_replicas: int = 1) -> Policy:
+    return recover_spares(interval, spares, min_replicas).with_(
+        name="recover_recycle", recycle=True,
+        note=f"ReCoVer + {spares} spare replicas + recycling: a failed replica's healthy ranks form new replicas "
+        "(the job waits for each formation)")
+
+
 def recover_node_tolerant(interval: int | None, spares: int = 0, min_replicas: int = 1) -> Policy:
     return recover(interval, min_replicas).with_(
         name="recover_node_tolerant", spare_replicas=spares, node_loss_ends_job=False, hypothetical=True,
@@ -76,5 +85,6 @@ def standard_policies(ckpt_interval: int, recover_interval: int, spares: int, mi
         shrinking(recover_interval, 1),
         recover(recover_interval, min_replicas),
         recover_spares(recover_interval, spares, smin),
+        recover_recycle(recover_interval, spares, smin),
         recover_node_tolerant(recover_interval, spares, smin),
     ]

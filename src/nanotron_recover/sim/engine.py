@@ -234,6 +234,16 @@ class _Run:
     def exit_s(self) -> float:
         return self.p.job_exit_s(self.job_procs(), self.pol.recover_path and self.res.failures > 0)
 
+    def _fail_in_restart(self) -> None:
+        """A failure while the job is going away (teardown, exit: nothing more) or coming back (the relaunch fails
+        too: another one, as ``failure_during_stall`` models it)."""
+        if self.pending[0][0] in ("restart", "startup"):
+            dur = self.p.restart_s(self.c.nodes, self.pending[0][2])
+            if self.p.failure_during_stall == "reset":
+                self.pending[0][1] = dur
+            else:
+                self.pending.insert(1, ["restart", dur, self.pending[0][2]])
+
     def _in_restart(self) -> bool:
         return self.phase != "run" and self.pending[0][0] in ("teardown", "restart", "startup", "exit")
 
@@ -266,14 +276,8 @@ class _Run:
         self.res.failures += 1
         self.res.node_failures += int(node)
         if self._in_restart():
-            head = self.pending[0][0]
-            if head in ("restart", "startup"):  # the relaunch fails too: another one (model: failure_during_stall)
-                dur = self.p.restart_s(self.c.nodes, self.pending[0][2])
-                if self.p.failure_during_stall == "reset":
-                    self.pending[0][1] = dur
-                else:
-                    self.pending.insert(1, ["restart", dur, self.pending[0][2]])
-            return  # a failure during teardown / exit: the job is going away anyway
+            self._fail_in_restart()
+            return
         dead_procs = self.c.gpus_per_node if node else len(slots)
         if not self.pol.in_place or (node and self.pol.node_loss_ends_job):
             if not self.p.replacement:

@@ -9,6 +9,11 @@ load hit both sides; the result is the median over runs of the per-run medians, 
 Defaults: the headline's model and layout (8 replicas, M = 24, hidden 128, 4 layers, seq 128), 30 steps, 3 runs
 per path. Example at a smaller size:
   .venv/bin/python benchmarks/overhead.py --dp 4 --accumulation 2 --steps 20 --repeats 2 --hidden 64 --layers 2
+
+``--breakdown`` adds ReCoVer runs with one protection switched off each (node-local snapshots, the hang monitor)
+and with both off, in the same interleaving: a mechanism's share of the step is (all on - without it) / all on.
+What stays in every ReCoVer run is the data path itself (per-bucket snapshots for in-step recovery, the ULFM
+reduction and the per-step agreements). The last line is ``overhead=<ratio>`` (everything on vs stock) either way.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--accumulation", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3, help="runs per path")
+    ap.add_argument("--breakdown", action="store_true", help="also ReCoVer with each protection switched off")
     add_headline_run_args(ap, out="runs/bench/overhead")
     args = ap.parse_args(argv)
     size = size_from_args(args)
@@ -43,11 +49,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return make_config(dp=args.dp, tp=args.tp, pp=args.pp, accumulation=args.accumulation, steps=args.steps,
                               size=size, fault_tolerance=ft)
 
-    paths = {"stock": None, "recover": {"enabled": True}}
-    order = []
-    for i in range(args.repeats):
-        order += ["stock", "recover"] if i % 2 == 0 else ["recover", "stock"]
-    per_run: dict[str, list[dict]] = {"stock": [], "recover": []}
+    paths = dict(PATHS) if args.breakdown else {n: PATHS[n] for n in ("stock", "recover")}
+    order = interleaved(list(paths), args.repeats)
+    per_run: dict[str, list[dict]] = {name: [] for name in paths}
     for k, name in enumerate(order):
         a = launch(config(paths[name]), out / f"{k:02d}_{name}", timeout_s=args.timeout_s)
         times = normal_step_times(a.steps)
@@ -66,18 +70,52 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = {"command": command, "machine": machine_line(), "setup": setup, "median_step_s": med, "ratio": ratio,
             "order": order, "runs": per_run}
     write_json(out / "overhead.json", data)
-    rows = [[n, len(per_run[n]), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in per_run[n]), med[n] * 1000]
-            for n in ("stock", "recover")]
+    data["shares"] = shares(med)
+    rows = [[n, len(per_run[n]), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in per_run[n]), med[n] * 1000,
+             f"{med[n] / med['stock']:.3f}"] for n in paths]
     md = "\n".join([
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
-        md_table(["path", "runs", "per-run median step (ms)", "median (ms)"], rows), "",
+        md_table(["path", "runs", "per-run median step (ms)", "median (ms)", "/ stock"], rows), "",
         f"ratio ReCoVer / stock = {ratio:.3f}",
+        *[f"share of the ReCoVer step: {name} {share * 100:+.1f}%" for name, share in data["shares"].items()],
     ]) + "\n"
     (out / "overhead.md").write_text(md)
     _plot(per_run, out / "overhead.png", setup)
     print(md)
     print(f"overhead={ratio:.3f}")
     return data
+
+
+# The variants: stock, ReCoVer with everything on (its defaults), and ReCoVer with a protection switched off.
+PATHS: dict[str, dict | None] = {
+    "stock": None,
+    "recover": {"enabled": True},
+    "recover-no-snapshots": {"enabled": True, "local_snapshot_interval": 0},
+    "recover-no-hang-monitor": {"enabled": True, "hang_monitor": False},
+    "recover-bare": {"enabled": True, "local_snapshot_interval": 0, "hang_monitor": False},
+}
+MECHANISMS = {"node-local snapshots": "recover-no-snapshots", "hang monitor": "recover-no-hang-monitor",
+              "both": "recover-bare", "the data path (bare ReCoVer vs stock)": "stock"}
+
+
+def interleaved(names: list[str], repeats: int) -> list[str]:
+    """Each round runs every variant once, the order reversed every other round, so drifts hit all alike."""
+    order: list[str] = []
+    for i in range(repeats):
+        order += names if i % 2 == 0 else names[::-1]
+    return order
+
+
+def shares(med: dict[str, float]) -> dict[str, float]:
+    """Each switched-off mechanism's share of the everything-on step: (all on - without it) / all on; the data
+    path's: (bare ReCoVer - stock) / all on."""
+    out = {}
+    for mechanism, without in MECHANISMS.items():
+        if without == "stock" and "recover-bare" in med:
+            out[mechanism] = (med["recover-bare"] - med["stock"]) / med["recover"]
+        elif without in med and without != "stock":
+            out[mechanism] = (med["recover"] - med[without]) / med["recover"]
+    return out
 
 
 def _plot(per_run: dict, path: Path, title: str) -> None:
@@ -90,7 +128,7 @@ def _plot(per_run: dict, path: Path, title: str) -> None:
     for name, runs in per_run.items():
         for i, r in enumerate(runs):
             ax.plot(range(1, len(r["step_times"]) + 1), [t * 1000 for t in r["step_times"]],
-                    color="C0" if name == "stock" else "C1", alpha=0.7, label=name if i == 0 else None)
+                    color=f"C{list(per_run).index(name)}", alpha=0.7, label=name if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_yscale("log")

@@ -45,6 +45,9 @@ class FaultToleranceArgs:
             baseline (torchft-style): a failed replica's microbatches are dropped, the batch shrinks.
         inject: a deterministic fault schedule (tests, benchmarks): real SIGKILL / SIGSTOP / a hung main thread,
             see :class:`nanotron_recover.inject.FailureSpec`.
+        hang_monitor: the heartbeat thread behind ``hang_timeout_s`` (on by default). False only to measure what it
+            costs (``benchmarks/overhead.py --breakdown``): a frozen rank then blocks the job until
+            ``collective_timeout_s`` or for ever.
         hang_timeout_s: a rank that stays silent (a frozen process), or whose main thread makes no progress outside
             a cross-replica wait (stuck in a kernel or an intra-replica collective), for this long is SIGKILLed, so
             that recovery runs as for a crash. None (default): ``max(30 s, 5 x the longest step so far)``,
@@ -92,6 +95,7 @@ class FaultToleranceArgs:
     reduce_bucket_mb: float = 4.0
     keep_global_batch: bool = True
     inject: List[FailureSpec] = field(default_factory=list)
+    hang_monitor: bool = True
     hang_timeout_s: Optional[float] = None
     startup_timeout_s: float = 600.0
     finalize_timeout_s: float = 60.0

@@ -118,3 +118,14 @@ def test_pp2_failure_releases_the_other_stage_before_the_torch_timeout(tiny_conf
     assert_survived(result, reference, m=4, failed_replicas={1})
     assert read_exits(tmp_path)[3]["code"] == 0
     assert result.wall_s < 100, f"stage 1 was not released early: the run took {result.wall_s:.0f} s"
+
+
+def test_with_the_hang_monitor_off_a_kill_is_still_recovered_in_step(tiny_config, tmp_path, tmp_path_factory):
+    """``hang_monitor: false`` (for measuring its cost): no heartbeat thread, so no rank reports a hang margin; a
+    crash is still noticed by ULFM and repaired in-step with the same trajectory."""
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=4)
+    result = run_with_failures(tiny_config, tmp_path, dp=4, hang_monitor=False,
+                               inject=[{"step": FAIL_STEP, "replica": 2, "phase": "backward"}])
+    assert_survived(result, reference, m=8, failed_replicas={2})
+    ended = read_exits(tmp_path)
+    assert sorted(ended) == [0, 1, 3] and all(e["code"] == 0 and "hang_margin" not in e for e in ended.values()), ended

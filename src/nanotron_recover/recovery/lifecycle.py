@@ -49,7 +49,8 @@ class ProcessLifecycle:
             self._on_startup_failure(frozenset(), detail=str(e))
             return
         self.on_started()
-        self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
+        if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)
+            self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
 
     @property
     def starting(self) -> bool:

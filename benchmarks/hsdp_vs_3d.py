@@ -57,7 +57,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def _layouts(args: argparse.Namespace) -> dict[str, dict]:
     def config(tp: int, **replica) -> dict:
         inject = [{"step": args.fail_step, "replica": 1, "rank": 0, "phase": "backward"}] if args.dp > 1 else []
-        ft = {"enabled": True, "inject": inject, **replica}
+        # recycling off: one fault leaves one healthy rank per replica, never a full replica to form
+        ft = {"enabled": True, "inject": inject, "recycle": False, **replica}
         return make_config(dp=args.dp, tp=tp, accumulation=args.accumulation, steps=args.steps, size=args.size,
                            fault_tolerance=ft)
 

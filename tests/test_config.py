@@ -188,7 +188,12 @@ def test_recycle_keeps_the_global_batch():
     with pytest.raises(ConfigError, match="fault_tolerance.recycle.*keep_global_batch"):
         config_from_dict(with_ft(recycle=True, keep_global_batch=False))
     assert config_from_dict(with_ft(recycle=True)).fault_tolerance.recycle
-    assert not config_from_dict(with_ft()).fault_tolerance.recycle  # off unless asked
+
+
+def test_recycling_is_on_by_default_when_the_global_batch_is_kept():
+    assert config_from_dict(with_ft()).fault_tolerance.recycle is True
+    assert config_from_dict(with_ft(keep_global_batch=False)).fault_tolerance.recycle is False  # nothing to recycle for
+    assert config_from_dict(with_ft(recycle=False)).fault_tolerance.recycle is False
 
 
 def test_faults_may_name_a_formed_replica_only_when_recycling():
@@ -196,7 +201,7 @@ def test_faults_may_name_a_formed_replica_only_when_recycling():
     formed = [{"step": 2, "replica": dp, "rank": 0, "phase": "formation"}]  # the first formed replica's id
     assert config_from_dict(with_ft(recycle=True, inject=formed)).fault_tolerance.inject[0].replica == dp
     with pytest.raises(ConfigError, match=r"fault_tolerance.inject\[0\].replica"):
-        config_from_dict(with_ft(inject=formed))
+        config_from_dict(with_ft(recycle=False, inject=formed))
     beyond = [{"step": 2, "replica": dp + 1, "rank": 0, "phase": "formation"}]  # 1 fault: at most 1 formation
     with pytest.raises(ConfigError, match=r"fault_tolerance.inject\[0\].replica"):
         config_from_dict(with_ft(recycle=True, inject=beyond))

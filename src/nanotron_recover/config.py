@@ -72,7 +72,8 @@ class FaultToleranceArgs:
             one being written); None: half the free space of ``local_snapshot_dir``. Checked before launch.
         recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
             replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
-            (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas.
+            (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas. Null (default): on whenever
+            ``keep_global_batch`` is (a formed replica computes the samples of a slot), off otherwise.
         rebalance: quotas follow each replica's measured compute speed (stragglers get fewer microbatches of the
             same M; :mod:`nanotron_recover.workload.rebalance`). Off by default: the split then depends on timing,
             so two runs of one config are no longer bit-identical (each replica's summation order follows its
@@ -104,13 +105,17 @@ class FaultToleranceArgs:
     local_snapshot_interval: int = 1
     local_snapshot_dir: str = field(default_factory=lambda: f"/dev/shm/nanotron-recover-{os.getuid()}")
     local_snapshot_max_gb: Optional[float] = None
-    recycle: bool = False
+    recycle: Optional[bool] = None
     rebalance: bool = False
     replica_weights: Optional[List[float]] = None
     rebalance_smoothing: float = 0.3
     rebalance_hysteresis: float = 0.1
     straggler_factor: Optional[float] = None
     straggler_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.recycle is None:  # the default follows keep_global_batch, which recycling needs
+            self.recycle = self.keep_global_batch
 
 
 @dataclass

@@ -65,11 +65,24 @@ def test_three_replicas_tp2_survive_a_kill_in_each_phase(phase, tiny_config, tmp
         tiny_config, tmp_path, dp=3, tp=2, inject=[{"step": FAIL_STEP, "replica": 1, "rank": 1, "phase": phase}]
     )
     assert_survived(result, reference, m=6, failed_replicas={1})
+    # recycling is on by default: the healthy mate (world rank 2) waits in the pool (one rank, a replica needs two)
+    pooled = result.events_of("pool_changed")
+    assert [e["joined"] for e in pooled] == [[2]], pooled
+    assert all(s["pool_ranks"] == [2] for s in result.steps if s["step"] > FAIL_STEP), result.steps
     ended = read_exits(tmp_path)
     assert 3 not in ended, "the victim was SIGKILLed and cannot have exited normally"
-    assert ended[2]["code"] == 0 and "evicted" in ended[2]["reason"], ended
-    for rank in (0, 1, 4, 5):
+    for rank in (0, 1, 2, 4, 5):
         assert (ended[rank]["code"], ended[rank]["reason"]) == (0, "finished"), ended
+
+
+def test_with_recycling_off_the_healthy_rank_of_a_broken_replica_leaves(tiny_config, tmp_path, tmp_path_factory):
+    reference = reference_losses(tiny_config, tmp_path_factory, dp=3, tp=2)
+    result = run_with_failures(tiny_config, tmp_path, dp=3, tp=2, recycle=False,
+                               inject=[{"step": FAIL_STEP, "replica": 1, "rank": 1, "phase": "backward"}])
+    assert_survived(result, reference, m=6, failed_replicas={1})
+    assert not result.events_of("pool_changed") and all("pool_ranks" not in s for s in result.steps), result.steps
+    ended = read_exits(tmp_path)
+    assert ended[2]["code"] == 0 and "evicted" in ended[2]["reason"], ended
 
 
 def test_victim_is_world_rank_zero_logging_moves_on(tiny_config, tmp_path, tmp_path_factory, monkeypatch):

@@ -32,7 +32,9 @@ SCHEDULE = [
 def base_config(*, tp: int = 2, pp: int = 1, engine: str = "afab", spares: int = 0) -> dict:
     config = make_tiny_config(
         dp=4, tp=tp, pp=pp, engine=engine, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=STEPS,
-        fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "spare_replicas": spares, "inject": SCHEDULE},
+        # recycling off: the two faults' healthy mates would form a new replica (its own tests cover that)
+        fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "spare_replicas": spares, "inject": SCHEDULE,
+                         "recycle": False},
     )
     config["optimizer"]["learning_rate_scheduler"].update(learning_rate=0.003, lr_warmup_steps=5, lr_decay_steps=35)
     return config

@@ -72,8 +72,10 @@ class FaultToleranceArgs:
             one being written); None: half the free space of ``local_snapshot_dir``. Checked before launch.
         recycle: the healthy ranks of a failed replica stay, in a pool, instead of leaving; once the pool holds a
             replica's worth of ranks they form a new replica at a step boundary, which enters like a spare
-            (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas. Null (default): on whenever
-            ``keep_global_batch`` is (a formed replica computes the samples of a slot), off otherwise.
+            (:mod:`nanotron_recover.workload.recycle`). 3D and HSDP replicas. Null (default): on when
+            ``keep_global_batch`` is (a formed replica computes the samples of a slot) and a replica is one
+            pipeline stage (``pp`` 1: with TP x PP, a pooled rank can stay blocked in gloo's pipeline traffic
+            until the hang monitor kills it; docs/limits.md), off otherwise. Resolved by :func:`validate`.
         rebalance: quotas follow each replica's measured compute speed (stragglers get fewer microbatches of the
             same M; :mod:`nanotron_recover.workload.rebalance`). Off by default: the split then depends on timing,
             so two runs of one config are no longer bit-identical (each replica's summation order follows its
@@ -112,10 +114,6 @@ class FaultToleranceArgs:
     rebalance_hysteresis: float = 0.1
     straggler_factor: Optional[float] = None
     straggler_steps: int = 10
-
-    def __post_init__(self) -> None:
-        if self.recycle is None:  # the default follows keep_global_batch, which recycling needs
-            self.recycle = self.keep_global_batch
 
 
 @dataclass
@@ -282,6 +280,8 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)
     _validate_rebalance(config)
+    if ft.recycle is None:
+        ft.recycle = ft.keep_global_batch and config.parallelism.pp == 1
     if ft.recycle:
         _check(ft.keep_global_batch, "fault_tolerance.recycle",
                "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")

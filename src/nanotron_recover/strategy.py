@@ -158,6 +158,11 @@ class DataParallelStrategy(ABC):
         """The ranks waiting in the pool of recycled survivors (None: this strategy does not recycle)."""
         return None
 
+    def update_replica(self, step: int, services: StepServices, update: Callable[[], None]) -> None:
+        """Run the committed step's update (tied gradients, grad-norm clipping, the optimizer: collectives inside
+        the replica). A recycling strategy keeps a rank whose replica-mate died in there, in the pool."""
+        update()
+
     def checkpoint_layout(self) -> "CheckpointLayout | None":
         """What goes inside a checkpoint folder (None: nanotron's format)."""
         return None

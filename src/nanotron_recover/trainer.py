@@ -263,14 +263,17 @@ class RecoverTrainer:
         result = self.dp.forward_backward_reduce(step, self.services)  # plan -> compute -> reduce (with recovery)
         self._at(Phase.OPTIMIZER)
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step
-            self.dp.sync_tied_gradients(self)
-            self.grad_norm = self._clip()
-            self.optimizer.step()
+            self.dp.update_replica(step, self.services, self._update_weights)
         if self.lr_scheduler is not None:  # None: a rank in the pool (recycling) holds no model
             self.lr_scheduler.step()
         self.dp.zero_grad(self)
         self.dp.after_commit(step, self, self.services)  # e.g. spare activation, state transfer
         return result
+
+    def _update_weights(self) -> None:
+        self.dp.sync_tied_gradients(self)
+        self.grad_norm = self._clip()
+        self.optimizer.step()
 
     def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
         """Save the committed state of ``step``; the strategy decides who writes and publishes."""

@@ -134,7 +134,8 @@ class Training:
 
 def make(dp: int, spares: int = 0, min_replicas: int = 1) -> tuple[ResilientDataParallel, InMemoryWorld, Training]:
     raw = make_tiny_config(dp=dp, accumulation=2, steps=6, fault_tolerance={
-        "enabled": True, "reduce_bucket_mb": 0.0002, "spare_replicas": spares, "min_replicas": min_replicas})
+        "enabled": True, "reduce_bucket_mb": 0.0002, "spare_replicas": spares, "min_replicas": min_replicas,
+        "recycle": False})  # 1-rank replicas leave nobody to recycle; the stand-in does not play the pool
     config = config_from_dict(raw)
     world = InMemoryWorld(dp + spares, active=list(range(dp)))
     strategy = ResilientDataParallel(config, 1.0, end_job=lambda reason: None, ft=world, parallel_context=None)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import datetime
 import gc
 import time
+from typing import Callable
 
 import torch.distributed as torch_dist
 
-from nanotron_recover.ft import FailureDetected
+from nanotron_recover.ft import FailureDetected, RepairEvent
+from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.process_groups import forget_process_groups
 from nanotron_recover.phases import Phase
 from nanotron_recover.recovery.errors import BelowMinimumReplicas
@@ -107,6 +109,44 @@ class ReplicaFormation:
             services.rebuild_replica(self.parallel_context)
         self.zero_grad(state)  # as every rank did after this step's optimizer step
         services.fault_point(step, Phase.FORMATION)
+
+    def update_replica(self, step: int, services: StepServices, update: Callable[[], None]) -> None:
+        """The committed step's update; recycling: a replica-mate's death in its collectives pools this rank."""
+        try:
+            update()
+            return
+        except Exception as exc:  # noqa: BLE001 - torch traffic inside the replica broke: pooled, or re-raised
+            if self._repairs_that_pooled_me(services, step) is None:
+                raise
+            print(f"[nanotron-recover] rank {self.ft.rank}: the replica broke in the update of step {step} "
+                  f"({type(exc).__name__}); this rank waits in the pool", flush=True)
+        gc.collect()  # the torch error's traceback held the old replica's process groups: now they close
+
+    def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:
+        """Recycling, after a torch error in compute: if a replica-mate's death moved this rank to the pool, the
+        repairs this rank had not applied yet; else None (not a fault: the caller re-raises).
+
+        The death is either not yet repaired (we repair now, once it is noticed), or being repaired by the watcher
+        (it holds the operation lock: :meth:`FTWorld.repair_if_pending` waits for it), or repaired already."""
+        if not self.recycle or self.ft.starting:
+            return None
+        first = self._applied
+        deadline = time.monotonic() + self.ft.notice_timeout_s + self.hang_policy.timeout_s + KILL_CONFIRM_S + 2.0
+        try:
+            while not self.ft.pooled:
+                self.ft.progress.waiting("failure notice")  # a stall here is somebody else's (a repair resumes)
+                event = self.ft.repair_if_pending()
+                if event is not None:
+                    self._log_repair(services, step, "in-step", event)
+                elif time.monotonic() > deadline:
+                    return None
+                else:
+                    time.sleep(0.01)
+        finally:
+            self.ft.progress.resume()
+        events = self.ft.events[first:]
+        self._apply_repairs(services)
+        return events
 
     def _drop_replica_if_pooled(self, services: StepServices) -> None:
         self.replica, self.local_rank = self.ft.replica, self.ft.local_rank

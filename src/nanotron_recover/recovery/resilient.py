@@ -25,7 +25,6 @@ from mpi4py import MPI
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent, ReplicaWorld
-from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.phases import Phase
 from nanotron_recover.recovery.buckets import GradBuckets
@@ -194,32 +193,6 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             quotas={r: len(v) for r, v in plan.items()},
             balance=balance,
         )
-
-    def _repairs_that_pooled_me(self, services: StepServices, step: int) -> list[RepairEvent] | None:
-        """Recycling, after a torch error in compute: if a replica-mate's death moved this rank to the pool, the
-        repairs this rank had not applied yet; else None (not a fault: the caller re-raises).
-
-        The death is either not yet repaired (we repair now, once it is noticed), or being repaired by the watcher
-        (it holds the operation lock: :meth:`FTWorld.repair_if_pending` waits for it), or repaired already."""
-        if not self.recycle or self.ft.starting:
-            return None
-        first = self._applied
-        deadline = time.monotonic() + self.ft.notice_timeout_s + self.hang_policy.timeout_s + KILL_CONFIRM_S + 2.0
-        try:
-            while not self.ft.pooled:
-                self.ft.progress.waiting("failure notice")  # a stall here is somebody else's (a repair resumes)
-                event = self.ft.repair_if_pending()
-                if event is not None:
-                    self._log_repair(services, step, "in-step", event)
-                elif time.monotonic() > deadline:
-                    return None
-                else:
-                    time.sleep(0.01)
-        finally:
-            self.ft.progress.resume()
-        events = self.ft.events[first:]
-        self._apply_repairs(services)
-        return events
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.

@@ -58,6 +58,27 @@ def test_a_snapshot_round_trips_exactly(tmp_path):
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(written, target))
 
 
+def test_host_tensors_are_written_in_place_and_may_change_once_the_write_is_waited_for(tmp_path):
+    """No host copy: the write reads the live tensors, so the step path waits for it before the next update."""
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)
+    live = state(1.0)
+    expected = {}
+    for step in (1, 2):
+        writer.write(step, live, {})
+        expected[step] = [t.clone() for t in live]
+        writer.wait()
+        for t in live:  # the next optimizer step
+            t.add_(1)
+    writer.close()
+    assert writer.payload_bytes == sum(t.numel() * t.element_size() for t in live)
+    by_step = {found.step: found for found in scan(tmp_path, RUN, CONFIG)}
+    for step in (1, 2):
+        header, _, payload = parse(by_step[step].path.read_bytes())
+        target = state(0.0)
+        unpack_into(target, header, payload)
+        assert all(torch.equal(a, b) for a, b in zip(expected[step], target)), step
+
+
 def test_two_files_keep_the_newest_snapshot_and_the_one_before(tmp_path):
     writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0)
     for step in (1, 2, 3):
@@ -180,6 +201,7 @@ big = torch.empty(16 * 2**20 // 4, dtype=torch.float32)
 step = 0
 while True:
     step += 1
+    writer.wait()  # the write reads the tensor in place: as the step path does before its update
     big.fill_(float(step))
     writer.write(step, [big], {"step": step})
     if step == 2:

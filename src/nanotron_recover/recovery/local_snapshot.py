@@ -340,7 +340,11 @@ def verify_file(path: Path, chunk: int = CHUNK_BYTES) -> dict:
 # ------------------------------------------------------------------------------------------- writing
 class SnapshotWriter:
     """Writes one rank's snapshots into ``folder/<name>.h<history>.s<step>.snap`` in a background thread, keeping
-    its :data:`KEEP` newest. A failed write (storage full) turns the writer off and says so; it never raises."""
+    its :data:`KEEP` newest. A failed write (storage full) turns the writer off and says so; it never raises.
+
+    Host tensors are written straight from their memory, with no copy: the caller must :meth:`wait` before it next
+    changes them (the next optimizer step), which on the step path leaves a whole forward and backward for the
+    write. Device tensors are first copied into one pinned host buffer (the only work on the caller's thread)."""
 
     def __init__(self, folder: Path, name: str, *, run_id: str, config_hash: str, coord: int,
                  history: str | None = None, log: Callable[[str], None] = print) -> None:
@@ -352,8 +356,10 @@ class SnapshotWriter:
             raise ValueError(f"history id {self.history!r} is not hex")
         self.coord, self.log = coord, log
         self._base = {"run_id": run_id, "config_hash": config_hash, "coord": coord, "history": self.history}
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # device tensors only: their host copy
         self._views: list[torch.Tensor] = []
+        self._sources: list[torch.Tensor] = []  # what the pending write reads: the buffer, or the tensors' own bytes
+        self._payload_bytes = 0
         self._layout: list[list] = []
         self._pool: ThreadPoolExecutor | None = None  # made at a write, ended by close()
         self._pending: Future | None = None
@@ -364,31 +370,37 @@ class SnapshotWriter:
 
     @property
     def payload_bytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
+        return self._payload_bytes
 
     def paths(self) -> list[Path]:
         """This writer's complete files, oldest first."""
         return sorted(self.folder.glob(f"{self.name}.h{self.history}.s*{SUFFIX}"))
 
     def write(self, step: int, tensors: Sequence[torch.Tensor], extras: dict, epoch: int = 0) -> None:
-        """Copy ``tensors`` into the host buffer (the only work on the caller's thread) and queue the file write.
-        Waits for the previous write first: the buffer is reused. Nothing is written once a write failed."""
+        """Queue the file write of ``tensors`` (device tensors: after a copy to the host buffer). Waits for the
+        previous write first. Nothing is written once a write failed."""
         self.wait()
         if self.failed is not None:
             return
-        if self._buffer is None:
-            self._allocate(tensors)
+        if not self._layout:
+            self._layout = _describe(tensors)
+            self._payload_bytes = sum(_raw_bytes(t).numel() for t in tensors)
         elif _describe(tensors) != self._layout:
             raise ValueError("the state tensors changed shape or dtype between snapshots")
-        for view, t in zip(self._views, tensors):
-            view.copy_(_raw_bytes(t))
+        if any(t.device.type != "cpu" for t in tensors):
+            if self._buffer is None:
+                self._allocate(tensors)
+            for view, t in zip(self._views, tensors):
+                view.copy_(_raw_bytes(t))
+            self._sources = [self._buffer]
+        else:
+            self._sources = [_raw_bytes(t) for t in tensors]
         header = {**self._base, "step": step, "epoch": epoch, "tensors": self._layout, "extras": _to_json(extras)}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
         self._pending = self._pool.submit(self._write_safely, step, header)
 
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._layout = _describe(tensors)
         sizes = [_raw_bytes(t).numel() for t in tensors]
         pin = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
         self._buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
@@ -413,17 +425,21 @@ class SnapshotWriter:
         self._drop_old()
 
     def _write_file(self, path: Path, tmp: Path, header: dict) -> None:
-        payload = memoryview(self._buffer.numpy())
-        header["crc32"] = zlib.crc32(payload)
-        header["payload_bytes"] = len(payload)
+        pieces = [memoryview(source.numpy()) for source in self._sources if source.numel()]
+        crc = 0
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
+        header["crc32"] = crc
+        header["payload_bytes"] = self._payload_bytes
         head = encode_header(header)
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(head)
-            f.write(payload)
+            for piece in pieces:
+                f.write(piece)
         os.replace(tmp, path)  # complete: only now does it replace anything
-        self.bytes_written += len(head) + len(payload)
+        self.bytes_written += len(head) + self._payload_bytes
 
     def _drop_old(self) -> None:
         """Keep the :data:`KEEP` newest own files; once there are that many, a previous history's files of this
@@ -439,9 +455,11 @@ class SnapshotWriter:
                 path.unlink(missing_ok=True)
 
     def wait(self) -> None:
+        """The pending write is done: the tensors it read may change again."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+        self._sources = []
 
     def close(self) -> None:
         """Wait for the last write and end the thread (a later write starts another)."""
@@ -683,6 +701,11 @@ class LocalSnapshots:
         if first:
             log_event({"event": "local_snapshot", "step": step, "folder": str(self.folder),
                        "bytes_per_rank": self._writer.payload_bytes})
+
+    def settle(self) -> None:
+        """Wait for the pending write, which reads the state tensors in place: call before changing them."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def finish(self) -> None:
         """Wait for the last write (before the run's final agreement). Never raises: a failed write was said."""

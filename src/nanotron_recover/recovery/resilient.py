@@ -308,6 +308,11 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         return merge(plan, extra, failed), (extra.get(self.replica, []) if self.replica is not None else [])
 
     # ------------------------------------------------------------------------------------------------- commit
+    def update_replica(self, step: int, services: StepServices, update: Callable[[], None]) -> None:
+        if self.snapshots is not None:
+            self.snapshots.settle()  # the last snapshot's write reads the state that this update changes
+        super().update_replica(step, services, update)
+
     def zero_grad(self, state: TrainingState) -> None:
         if self.buckets is None:  # in the pool: no model
             return

@@ -15,7 +15,7 @@ from .layout import ReplicaAssignment, ReplicaLayout
 
 HEARTBEAT_PERIOD_S = 1.0
 # how often the monitor thread wakes: each wake takes the GIL from the main thread, which on an oversubscribed
-# host costs a scheduler slice; 0.1 s cost ~7% of the step with 8 ranks on 2 cores (benchmarks/overhead.py
+# host costs a scheduler slice; at 0.1 s one breakdown run put it at ~7% of the step, 8 ranks on 2 cores (overhead.py
 # --breakdown), and the timeouts it checks are 30 s and more
 CHECK_INTERVAL_S = 0.5
 KILL_CONFIRM_S = 10.0

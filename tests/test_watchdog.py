@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from nanotron_recover.procfs import process_is_gone
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
@@ -61,3 +63,73 @@ def test_the_parent_is_spared_when_it_is_not_an_mpi_daemon() -> None:
     """Here the rank's parent is this test (python), not prterun/prted: only the rank is ended."""
     proc = _run("w = StartupWatchdog(0.5, 'rank 0')\n        time.sleep(30)")
     assert proc.returncode == -signal.SIGKILL
+
+
+def _record_of(tmp_path: Path, rank: int = 2) -> Path:
+    return tmp_path / "exits" / f"rank-{rank}.json"
+
+
+def _armed(record: Path) -> str:
+    return f"        w = StartupWatchdog(60.0, 'rank 2', exit_record=__import__('pathlib').Path({str(record)!r}))\n"
+
+
+def test_a_rank_ended_by_the_teardown_of_the_job_still_leaves_its_record(tmp_path) -> None:
+    """Another rank's watchdog fired first and the daemon tears the job down (SIGTERM to every process of the rank):
+    this rank's watchdog records the restart before its own timeout, which it never reaches."""
+    record = _record_of(tmp_path)
+    proc = _run("import os, signal\n"
+                + _armed(record) +
+                "        time.sleep(0.5)\n"
+                "        os.kill(w.child_pid, signal.SIGTERM); os.waitpid(w.child_pid, 0)", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads(record.read_text())
+    assert saved["rank"] == 2 and saved["code"] == 3, saved
+    assert "ended during start-up" in saved["reason"], saved
+
+
+def test_a_rank_that_dies_during_start_up_is_recorded_by_its_watchdog(tmp_path) -> None:
+    record = _record_of(tmp_path)
+    proc = _run("import os, signal\n"
+                + _armed(record) +
+                "        print(w.child_pid, flush=True)\n"
+                "        os.kill(os.getpid(), signal.SIGKILL)", timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    child = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    saved = json.loads(record.read_text())
+    assert saved["code"] == 3 and "rank 2 ended during start-up" in saved["reason"], saved
+    _wait_gone(child)
+
+
+def test_a_record_the_rank_wrote_itself_is_kept(tmp_path) -> None:
+    record = _record_of(tmp_path)
+    proc = _run("import os, json\n"
+                "        from pathlib import Path\n"
+                f"        record = Path({str(record)!r})\n"
+                "        w = StartupWatchdog(60.0, 'rank 2', exit_record=record)\n"
+                "        record.parent.mkdir(parents=True, exist_ok=True)\n"
+                "        record.write_text(json.dumps({'rank': 2, 'code': 4, 'reason': 'its own'}))\n"
+                "        print(w.child_pid, flush=True)\n"
+                "        os._exit(4)", timeout=30)
+    assert proc.returncode == 4, proc.stderr
+    _wait_gone(int(proc.stdout.split()[0]))
+    assert json.loads(record.read_text())["reason"] == "its own"
+
+
+def test_a_disarmed_watchdog_records_nothing(tmp_path) -> None:
+    record = _record_of(tmp_path)
+    proc = _run(f"w = StartupWatchdog(60.0, 'rank 2', exit_record=__import__('pathlib').Path({str(record)!r}))\n"
+                "        w.disarm()", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert not record.exists()
+
+
+def _wait_gone(pid: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process_is_gone(pid):  # exited (a container's init may leave it a zombie)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"watchdog {pid} still alive")

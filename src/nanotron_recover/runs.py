@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from nanotron_recover.procfs import proc_stat
 from nanotron_recover.run_folder import read_metrics
 
 
@@ -143,14 +144,6 @@ def _param_name(relative: Path) -> str:
     return ".".join((*relative.parent.parts, leaf))
 
 
-def _proc_stat(pid: int) -> tuple[int, str, str]:
-    """(parent pid, name, state) of a process, from ``/proc/<pid>/stat``."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    name = text[text.index("(") + 1:text.rindex(")")]
-    state, ppid = text[text.rindex(")") + 2:].split()[:2]
-    return int(ppid), name, state
-
-
 def rank_processes(run_dir: Path) -> dict[int, int]:
     """``{pid: world rank}`` of every live process of this run's ranks: a rank, and during start-up its watchdog
     (a fork of it). mpirun's own command line names the run dir too and does not count; nor do zombies."""
@@ -165,7 +158,7 @@ def rank_processes(run_dir: Path) -> dict[int, int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             if b"nanotron_recover.train" not in cmdline or needle not in cmdline:
                 continue
-            _, name, state = _proc_stat(int(entry))
+            _, name, state = proc_stat(int(entry)) or (0, "", "Z")
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
@@ -182,11 +175,10 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
     processes = rank_processes(run_dir)
     out: dict[int, int] = {}
     for pid, rank in processes.items():
-        try:
-            parent = _proc_stat(pid)[0]
-        except (OSError, ValueError):
+        stat = proc_stat(pid)
+        if stat is None:
             continue
-        if processes.get(parent) != rank:  # the watchdog's parent is its rank
+        if processes.get(stat[0]) != rank:  # the watchdog's parent is its rank
             out[rank] = pid
     return out
 
@@ -197,11 +189,8 @@ def mpirun_pid(launcher_pid: int) -> int | None:
 
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                ppid, name, _ = _proc_stat(int(entry))
-            except (OSError, ValueError):
-                continue
-            if ppid == launcher_pid and name in MPI_DAEMONS:
+            stat = proc_stat(int(entry))
+            if stat is not None and stat[0] == launcher_pid and stat[1] in MPI_DAEMONS:
                 return int(entry)
     return None
 

@@ -98,12 +98,51 @@ def _write_exit_record(path: Path, reason: str) -> None:
         pass
 
 
+class _JobTornDown(Exception):
+    """SIGTERM reached the watchdog: the job is being torn down (another rank's watchdog ended it)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _JobTornDown
+
+
+def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None, rank_pid: int,
+           daemon_pid: int) -> int:
+    """The watchdog's life: wait for the disarm byte; otherwise record why the rank ended and, on a timeout, end
+    the job. Every way a rank can end during start-up leaves its record: its own timeout, the job's teardown
+    (SIGTERM, when another rank's watchdog fired first) and the rank's death (end of file before the byte)."""
+    try:
+        # Out of the rank's process group: Open MPI's teardown SIGKILLs that group right after the rank exits, which
+        # would end the watchdog before it recorded anything (the end of file below still tells it the rank died).
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        ready, _, _ = select.select([read_fd], [], [], timeout_s)
+        if ready:  # disarmed, or the rank is gone: a later teardown is not ours to record
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not ready:
+            reason = (f"{label} not ready to train after startup_timeout_s={timeout_s:g} s (a rank died or hung "
+                      "during start-up: imports, MPI_Init, rendezvous, model build or checkpoint load)")
+            if exit_record is not None:
+                _write_exit_record(exit_record, reason)
+            end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
+        elif not os.read(read_fd, 1) and exit_record is not None and not exit_record.exists():
+            _write_exit_record(exit_record, f"{label} ended during start-up, before it was ready to train")
+    except _JobTornDown:
+        if exit_record is not None and not exit_record.exists():
+            _write_exit_record(exit_record, f"the job was ended during start-up, before {label} was ready to train")
+    except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
+        return 1
+    return 0
+
+
 class StartupWatchdog:
     """A forked child that ends the job unless :meth:`disarm` is called within ``timeout_s``.
 
     The child holds only the read end of a pipe: a byte means "start-up complete" (it exits quietly), end of file
-    means the rank is gone (it exits quietly too: a dead rank is the daemon's business). Forking happens before any
-    thread or MPI exists in the rank, so it is safe.
+    means the rank is gone (it records that, unless the rank left its own record: the daemon deals with the rest).
+    A SIGTERM (the job torn down because another rank's watchdog fired first) is recorded as well, so every rank of
+    a job ended during start-up says how it ended. Forking happens before any thread or MPI exists in the rank,
+    so it is safe.
     """
 
     def __init__(self, timeout_s: float, label: str, exit_record: Path | None = None) -> None:
@@ -117,21 +156,7 @@ class StartupWatchdog:
         self.child_pid = os.fork()
         if self.child_pid == 0:  # the watchdog
             os.close(self._write_fd)
-            code = 0
-            try:
-                ready, _, _ = select.select([read_fd], [], [], timeout_s)
-                if not ready:
-                    reason = (
-                        f"{label} not ready to train after startup_timeout_s={timeout_s:g} s "
-                        "(a rank died or hung during start-up: imports, MPI_Init, rendezvous, model build or "
-                        "checkpoint load)"
-                    )
-                    if exit_record is not None:
-                        _write_exit_record(exit_record, reason)
-                    end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
-            except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
-                code = 1
-            os._exit(code)
+            os._exit(_watch(read_fd, timeout_s, label, exit_record, rank_pid, daemon_pid))
         os.close(read_fd)
 
     @property

@@ -27,7 +27,8 @@ Decisions, each reported through ``on_hang`` (the ``hang_detected`` event) befor
   (then the I/O allowance applies), or unless a watched peer looks frozen:
   then my stall is its doing and the silence path ends it (I may be the only live rank on its node, who must do
   the kill), and I end myself only ``timeout + KILL_CONFIRM_S`` later if that failed;
-* a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host), or my
+* a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host; a target
+  on my own host counts as dead once the process table says so, however late the notice), or my
   main thread waiting in cross-replica MPI for ``stall_limit`` with nobody found hung -> ``end_job`` (restart).
 
 The timeout (:class:`HangPolicy`) is fixed (``fault_tolerance.hang_timeout_s``) or derived from the measured step
@@ -50,6 +51,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..phases import HEARTBEAT_ORDER, Phase
+from ..procfs import process_is_gone
 from .hang_policy import (
     BUSY,
     CHECK_INTERVAL_S,
@@ -275,7 +277,7 @@ class HangMonitor:
         dead = self._dead | set(self._known_dead())
         live = set(self._live_ranks()) - dead
         for order in self._kills:
-            if not order.confirmed and (order.target in dead or order.target not in live):
+            if not order.confirmed and (order.target in dead or order.target not in live or self._gone_here(order)):
                 order.confirmed = True
         self._check_peers(now, live)
         self._check_self(now, live)
@@ -352,6 +354,12 @@ class HangMonitor:
                 self._give_up(f"rank {order.target} on host {self.hosts[order.target]} was found hung but is still "
                               f"alive {KILL_CONFIRM_S:g} s after its kill was ordered (no live rank on that host?)")
                 return
+
+    def _gone_here(self, order: "_KillOrder") -> bool:
+        """A target on my host is confirmed dead by the process table: Open MPI's death notice may come many
+        seconds later on a loaded node (it was seen to take over ``KILL_CONFIRM_S`` on 2 busy cores), and a kill
+        that worked is not a hang we cannot resolve. A target on another host is confirmed by the notice alone."""
+        return self.hosts[order.target] == self.hosts[self.rank] and process_is_gone(self.pids[order.target])
 
     # ---------------------------------------------------------------- actions
     def _helpers_for(self, target: int) -> list[int] | None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nanotron_recover.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV  # what the launcher reads (light imports)
+from nanotron_recover.procfs import process_is_gone
 
 AGENT = """#!/usr/bin/env bash
 # a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here
@@ -90,11 +91,7 @@ def _children() -> dict[int, list[int]]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return not process_is_gone(pid)
 
 
 def process_tree(root: int, children: dict[int, list[int]] | None = None) -> list[int]:

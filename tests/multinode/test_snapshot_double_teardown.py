@@ -28,7 +28,13 @@ from typing import Callable
 import pytest
 
 from nanotron_recover.config import config_from_dict
-from nanotron_recover.recovery.local_snapshot import NODE_NAME_ENV, config_hash, scan, snapshot_folder
+from nanotron_recover.recovery.local_snapshot import (
+    NODE_NAME_ENV,
+    config_hash,
+    payload_checksum,
+    scan,
+    snapshot_folder,
+)
 from nanotron_recover.run_folder import run_id
 from nanotron_recover.runs import run_training, write_config
 from nanotron_recover.testbed.fake_nodes import kill_node, write_bed
@@ -37,7 +43,7 @@ from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S + 60)]
 STEPS = 8
 RESUMED = re.compile(r"resumed from the local snapshot of step (\d+) \(history (\w+), coordinate (\d+), "
-                     r"payload crc32 (\w+)")
+                     r"payload checksum ([\w:]+)")
 
 
 def folder_of(config, run: str, node: str, monkeypatch) -> Path:
@@ -48,10 +54,10 @@ def folder_of(config, run: str, node: str, monkeypatch) -> Path:
 
 
 def whole_steps(snaps, history: str | None = None) -> dict[tuple[str, int], dict[int, int]]:
-    """{(history, step): {coordinate: payload crc}} of the (history, step)s held for both coordinates."""
+    """{(history, step): {coordinate: payload checksum}} of the (history, step)s held for both coordinates."""
     held: dict[tuple[str, int], dict[int, int]] = {}
     for s in snaps:
-        held.setdefault((s.history, s.step), {})[s.coord] = s.header["crc32"]
+        held.setdefault((s.history, s.step), {})[s.coord] = payload_checksum(s.header)
     return {k: v for k, v in held.items() if len(v) == 2 and (history is None or k[0] == history)}
 
 
@@ -125,11 +131,11 @@ def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_
     resumed = RESUMED.findall(result.output)
     assert len(resumed) == 4, result.output[-4000:]
     assert {(int(step), history) for step, history, _, _ in resumed} == {(k, h2)}
-    crcs = {int(coord): set() for _, _, coord, _ in resumed}
-    for _, _, coord, crc in resumed:
-        crcs[int(coord)].add(int(crc, 16))
-    assert all(len(v) == 1 for v in crcs.values()), crcs  # both replicas of each coordinate: the same state
-    assert {c: v.pop() for c, v in crcs.items()} == on_n1[(h2, k)]
+    sums = {int(coord): set() for _, _, coord, _ in resumed}
+    for _, _, coord, checksum in resumed:
+        sums[int(coord)].add(checksum)
+    assert all(len(v) == 1 for v in sums.values()), sums  # both replicas of each coordinate: the same state
+    assert {c: v.pop() for c, v in sums.items()} == on_n1[(h2, k)]
     after = [s["step"] for s in result.steps if s["time"] >= relaunched]
     assert after == list(range(k + 1, STEPS + 1))
     differ = on_n1[(h2, k)] != on_n2[(h1, k)]

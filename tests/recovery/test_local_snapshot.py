@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -19,9 +20,13 @@ from hypothesis import strategies as st
 from nanotron_recover.config import ConfigError, config_from_dict
 from nanotron_recover.preflight import check_local_snapshot_budget
 from nanotron_recover.recovery.local_snapshot import (
+    KEEP,
+    WRITE_PIECE_BYTES,
     SnapshotWriter,
     choose_snapshot,
+    encode_header,
     parse,
+    payload_checksum,
     scan,
     transfer_plan,
     unpack_into,
@@ -86,6 +91,53 @@ def test_two_files_keep_the_newest_snapshot_and_the_one_before(tmp_path):
     writer.close()
     assert sorted(s.step for s in scan(tmp_path, RUN, CONFIG)) == [2, 3]
     assert writer.bytes_written > 3 * sum(t.numel() * t.element_size() for t in state(0.0))
+
+
+def test_the_file_a_write_made_surplus_is_written_over_by_the_next_and_every_file_stays_exact(tmp_path):
+    """One spare per rank (never a ``.snap``): the next write reuses its pages; files of any step still hold that
+    step's bytes, and there are never more than KEEP snapshots and the spare."""
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)
+    big = [torch.zeros(3 * WRITE_PIECE_BYTES // 4 + 5, dtype=torch.float32)]  # several pieces, one cut short
+    inodes = {}
+    for step in range(1, 6):
+        big[0].fill_(float(step))
+        writer.write(step, big, {"step": step})
+        writer.wait()
+        spare = tmp_path / "r0-c0.spare"
+        if step >= 3:
+            assert spare.exists() and inodes[step - 2] == spare.stat().st_ino  # step - 2's file, now surplus
+        if step >= 4:  # written over the spare that step - 1's write left
+            assert os.stat(writer.paths()[-1]).st_ino == inodes[step - 3]
+        inodes[step] = os.stat(writer.paths()[-1]).st_ino
+        assert len(list(tmp_path.iterdir())) <= KEEP + 1
+    writer.close()
+    for found in scan(tmp_path, RUN, CONFIG):
+        header, extras, payload = parse(found.path.read_bytes())
+        assert payload_checksum(header).startswith("xxh3_64:")
+        target = [torch.empty_like(big[0])]
+        unpack_into(target, header, payload)
+        assert extras["step"] == found.step and bool((target[0] == float(found.step)).all())
+    assert sorted(s.step for s in scan(tmp_path, RUN, CONFIG)) == [4, 5]
+
+
+def test_a_file_of_an_earlier_version_checksummed_with_crc32_is_still_read(tmp_path):
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)
+    writer.write(3, state(3.0), {"step": 3})
+    writer.close()
+    (found,) = scan(tmp_path, RUN, CONFIG)
+    header, _, payload = parse(found.path.read_bytes())
+    old = {k: v for k, v in header.items() if k != "checksum"}
+    old["crc32"] = zlib.crc32(payload)
+    legacy = encode_header(old) + bytes(payload)
+    got, _, got_payload = parse(legacy)
+    assert payload_checksum(got) == f"crc32:{old['crc32']:08x}"
+    target = state(0.0)
+    unpack_into(target, got, got_payload)
+    assert all(torch.equal(a, b) for a, b in zip(state(3.0), target))
+    damaged = bytearray(legacy)
+    damaged[-1] ^= 0x01
+    with pytest.raises(ValueError, match="checksum"):
+        parse(bytes(damaged))
 
 
 def test_another_runs_or_configs_snapshot_is_refused_with_a_message(tmp_path):

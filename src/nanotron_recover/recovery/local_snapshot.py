@@ -22,7 +22,7 @@ by this user (created 0700; looser modes are tightened), files are 0600, opened 
 checked for owner and mode; anything else is refused with a message and snapshots go off on that rank. The file
 format is a fixed binary header and JSON, never pickle::
 
-    b"NRSNAP02" | u32 header length | header JSON (run, config, history, step, coordinate, tensors, CRC, extras)
+    b"NRSNAP02" | u32 header length | header JSON (run, config, history, step, coordinate, tensors, checksum, extras)
     | payload (the raw bytes of the state tensors, in ``state_tensors`` order)
 
 **Full storage never ends the run.** A file is written as ``<name>.tmp`` and renamed into place only when
@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, NamedTuple, Sequence
 
 import torch
+import xxhash
 
 from nanotron_recover.run_folder import ensure_run_id
 from nanotron_recover.training_state import local_tensor
@@ -227,9 +228,55 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
         header = json.loads(bytes(view[start : start + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"snapshot header is not JSON: {e}") from None
-    if not isinstance(header, dict) or not {"step", "coord", "crc32", "payload_bytes", "tensors"} <= set(header):
+    if (not isinstance(header, dict) or not {"step", "coord", "payload_bytes", "tensors"} <= set(header)
+            or not {"checksum", "crc32"} & set(header)):
         raise ValueError("snapshot header lacks fields")
     return header, start + n
+
+
+# ------------------------------------------------------------------------------------------- checksums
+CHECKSUM_KIND = "xxh3_64"  # new files; "crc32" (files of earlier versions) is still read
+WRITE_PIECE_BYTES = 2**20  # a write checksums and writes this much at a time: the bytes are read from cache
+
+
+class PayloadHash:
+    """A payload's streaming checksum. xxh3-64 runs at about three times zlib's CRC-32 on these machines and, with
+    the write, is most of a snapshot's cost on the step path (``benchmarks/overhead.py --breakdown``)."""
+
+    def __init__(self, kind: str = CHECKSUM_KIND) -> None:
+        if kind not in ("xxh3_64", "crc32"):
+            raise ValueError(f"unknown snapshot checksum {kind!r}")
+        self.kind = kind
+        self._xxh = xxhash.xxh3_64() if kind == "xxh3_64" else None
+        self._crc = 0
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        if self._xxh is not None:
+            self._xxh.update(piece)
+        else:
+            self._crc = zlib.crc32(piece, self._crc)
+
+    @property
+    def value(self) -> str:
+        """``kind:hex``, of a fixed width for a kind (the header is written before the payload is hashed)."""
+        return f"xxh3_64:{self._xxh.intdigest():016x}" if self._xxh is not None else f"crc32:{self._crc:08x}"
+
+
+def payload_checksum(header: dict) -> str:
+    """The checksum a header records for its payload, as :attr:`PayloadHash.value` writes it."""
+    if "checksum" in header:
+        return str(header["checksum"])
+    return f"crc32:{int(header['crc32']):08x}"
+
+
+def hash_for(header: dict) -> PayloadHash:
+    """A fresh hash of the kind ``header``'s checksum is."""
+    return PayloadHash(payload_checksum(header).split(":", 1)[0])
+
+
+def check_payload(header: dict, hashed: PayloadHash) -> None:
+    if hashed.value != payload_checksum(header):
+        raise ValueError("payload checksum mismatch")
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -247,13 +294,14 @@ def extras_of(header: dict) -> dict:
 
 
 def parse(data: bytes | bytearray | memoryview) -> tuple[dict, dict, memoryview]:
-    """(header, extras, payload) of a whole snapshot file's bytes; the payload's CRC is checked."""
+    """(header, extras, payload) of a whole snapshot file's bytes; the payload's checksum is checked."""
     header, start = decode_header(data)
     payload = memoryview(data)[start:]
     if len(payload) != header["payload_bytes"]:
         raise ValueError(f"payload of {len(payload)} bytes, header says {header['payload_bytes']}")
-    if zlib.crc32(payload) != header["crc32"]:
-        raise ValueError("payload checksum mismatch")
+    hashed = hash_for(header)
+    hashed.update(payload)
+    check_payload(header, hashed)
     return header, extras_of(header), payload
 
 
@@ -278,11 +326,12 @@ class PayloadSink:
         if header["tensors"] != _describe(tensors):
             raise ValueError("the snapshot's tensors do not match this rank's state (another model or layout)")
         self._targets = [_raw_bytes(t) for t in tensors]
-        self._index, self._offset, self.crc, self.received = 0, 0, 0, 0
+        self._index, self._offset, self.received = 0, 0, 0
+        self.hashed = hash_for(header)
 
     def feed(self, piece: bytes | bytearray | memoryview) -> None:
         view = memoryview(piece)
-        self.crc = zlib.crc32(view, self.crc)
+        self.hashed.update(view)
         self.received += len(view)
         raw = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8) if len(view) else None
         pos = 0
@@ -300,8 +349,7 @@ class PayloadSink:
     def check(self, header: dict) -> None:
         if self.received != header["payload_bytes"]:
             raise ValueError(f"payload of {self.received} bytes, header says {header['payload_bytes']}")
-        if self.crc != header["crc32"]:
-            raise ValueError("payload checksum mismatch")
+        check_payload(header, self.hashed)
 
 
 def unpack_into(tensors: Sequence[torch.Tensor], header: dict, payload: memoryview) -> None:
@@ -323,17 +371,16 @@ def _pieces(f: BinaryIO, n: int, buffer: bytearray) -> Iterable[memoryview]:
 
 
 def verify_file(path: Path, chunk: int = CHUNK_BYTES) -> dict:
-    """The header of a complete, undamaged snapshot file (its payload's CRC checked, reading piece by piece)."""
+    """The header of a complete, undamaged snapshot file (its payload's checksum checked, piece by piece)."""
     header, start = read_header(path)
-    crc = 0
+    hashed = hash_for(header)
     with open_private(path) as f:
         f.seek(start)
         for piece in _pieces(f, header["payload_bytes"], bytearray(min(chunk, max(1, header["payload_bytes"])))):
-            crc = zlib.crc32(piece, crc)
+            hashed.update(piece)
         if f.read(1):
             raise ValueError("snapshot file longer than its header says")
-    if crc != header["crc32"]:
-        raise ValueError("payload checksum mismatch")
+    check_payload(header, hashed)
     return header
 
 
@@ -367,6 +414,7 @@ class SnapshotWriter:
         self.bytes_written = 0
         for leftover in self.folder.glob(f"{name}.*.tmp"):  # a write of this rank's name killed mid-way
             leftover.unlink(missing_ok=True)
+        self._spare.unlink(missing_ok=True)  # a previous launch's
 
     @property
     def payload_bytes(self) -> int:
@@ -425,28 +473,61 @@ class SnapshotWriter:
         self._drop_old()
 
     def _write_file(self, path: Path, tmp: Path, header: dict) -> None:
-        pieces = [memoryview(source.numpy()) for source in self._sources if source.numel()]
-        crc = 0
-        for piece in pieces:
-            crc = zlib.crc32(piece, crc)
-        header["crc32"] = crc
+        """One pass over the payload: each piece is checksummed and written while it is in cache; the header,
+        written first with a placeholder of the checksum's width, is rewritten in place at the end."""
+        hashed = PayloadHash()
+        header["checksum"] = hashed.value  # the placeholder: same width as the real value
         header["payload_bytes"] = self._payload_bytes
         head = encode_header(header)
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        with self._open_for_write(tmp) as f:
             f.write(head)
-            for piece in pieces:
-                f.write(piece)
+            for source in self._sources:
+                if not source.numel():
+                    continue
+                data = memoryview(source.numpy())
+                for at in range(0, len(data), WRITE_PIECE_BYTES):
+                    piece = data[at:at + WRITE_PIECE_BYTES]
+                    hashed.update(piece)
+                    f.write(piece)
+            f.truncate()  # a reused file may have been longer
+            header["checksum"] = hashed.value
+            final = encode_header(header)
+            if len(final) != len(head):
+                raise RuntimeError("snapshot header changed length")  # a bug: the placeholder's width is fixed
+            f.seek(0)
+            f.write(final)
         os.replace(tmp, path)  # complete: only now does it replace anything
         self.bytes_written += len(head) + self._payload_bytes
+
+    @property
+    def _spare(self) -> Path:
+        """The file the last write made surplus, kept to be written over: on tmpfs a new file costs a page fault
+        and a zeroed page per 4 KiB, about a fifth of the write. It is never a snapshot (no ``.snap`` name)."""
+        return self.folder / f"{self.name}.spare"
+
+    def _open_for_write(self, tmp: Path) -> BinaryIO:
+        tmp.unlink(missing_ok=True)
+        try:
+            os.replace(self._spare, tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():  # never: the folder is private
+                os.close(fd)
+                raise OSError(f"{tmp} is not this user's regular file")
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        return os.fdopen(fd, "wb")
 
     def _drop_old(self) -> None:
         """Keep the :data:`KEEP` newest own files; once there are that many, a previous history's files of this
         coordinate (the one resumed from among them) are no longer needed."""
         own = self.paths()
         for old in own[:-KEEP]:
-            old.unlink(missing_ok=True)
+            if self._spare.exists():
+                old.unlink(missing_ok=True)
+            else:
+                os.replace(old, self._spare)
         if len(own) < KEEP:
             return
         for path in self.folder.glob(f"*{SUFFIX}"):
@@ -761,12 +842,12 @@ class LocalSnapshots:
             plan = transfer_plan(offers, coord_of, chosen)
             if self._verify_agreed(mine, chosen, plan, coord_of):
                 break
-        source, crc = self._load(state, tensors, mine, offers, chosen, plan, coord_of)
+        source, checksum = self._load(state, tensors, mine, offers, chosen, plan, coord_of)
         self._tidy(chosen)
         self._check_space(hellos)
         how = f"received from rank {source}" if source is not None else f"from {mine[self._key(chosen)].path}"
         _say(self.log, f"resumed from the local snapshot of step {chosen[1]} (history {chosen[0]}, coordinate "
-                       f"{self.coord}, payload crc32 {crc:08x}, {how})")
+                       f"{self.coord}, payload checksum {checksum}, {how})")
         return chosen[1]
 
     def _check_space(self, hellos: Sequence[Hello]) -> None:
@@ -810,10 +891,10 @@ class LocalSnapshots:
         return all(self.ft.allgather_object(sound))
 
     def _load(self, state: Any, tensors: list[torch.Tensor], mine: dict[Key, Snapshot], offers: list,
-              chosen: tuple[str, int], plan: dict[int, int], coord_of: Sequence[int]) -> tuple[int | None, int]:
+              chosen: tuple[str, int], plan: dict[int, int], coord_of: Sequence[int]) -> tuple[int | None, str]:
         """Stream the chosen snapshot into this rank's state (from its file, or from its sender), serving the
         receivers this rank sends to on the way. -> (the sender's world rank if this rank received, the payload's
-        CRC). ``plan`` and ``offers`` index the gathered list; the transfer addresses world ranks."""
+        checksum). ``plan`` and ``offers`` index the gathered list; the transfer addresses world ranks."""
         me, ranks = self._ranks.index(self.ft.rank), self._ranks
         outgoing: dict[Key, list[int]] = {}
         for dest, src in sorted(plan.items()):
@@ -828,7 +909,7 @@ class LocalSnapshots:
                          None if source is not None else mine[self._key(chosen)].path)
         self._apply_extras(state, extras_of(header))
         self.ft.allgather_object(True)  # every rank loaded: only now may files be deleted
-        return None if source is None else ranks[source], int(header["crc32"])
+        return None if source is None else ranks[source], payload_checksum(header)
 
     @staticmethod
     def _apply_extras(state: Any, extras: dict) -> None:
@@ -846,7 +927,7 @@ class LocalSnapshots:
         has its own)."""
         if self.folder is None or not self._store_ok:
             return
-        for path in self.folder.glob("*.tmp"):
+        for path in [*self.folder.glob("*.tmp"), *self.folder.glob("*.spare")]:
             path.unlink(missing_ok=True)
         if chosen is None:
             return

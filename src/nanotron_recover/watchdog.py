@@ -98,6 +98,12 @@ def _write_exit_record(path: Path, reason: str) -> None:
         pass
 
 
+def _record_unless_written(path: Path | None, reason: str) -> None:
+    """The rank's own exit record, if it wrote one, says more than the watchdog can."""
+    if path is not None and not path.exists():
+        _write_exit_record(path, reason)
+
+
 class _JobTornDown(Exception):
     """SIGTERM reached the watchdog: the job is being torn down (another rank's watchdog ended it)."""
 
@@ -117,19 +123,18 @@ def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None,
         os.setpgid(0, 0)
         signal.signal(signal.SIGTERM, _on_sigterm)
         ready, _, _ = select.select([read_fd], [], [], timeout_s)
-        if ready:  # disarmed, or the rank is gone: a later teardown is not ours to record
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not ready:
             reason = (f"{label} not ready to train after startup_timeout_s={timeout_s:g} s (a rank died or hung "
                       "during start-up: imports, MPI_Init, rendezvous, model build or checkpoint load)")
             if exit_record is not None:
                 _write_exit_record(exit_record, reason)
             end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
-        elif not os.read(read_fd, 1) and exit_record is not None and not exit_record.exists():
-            _write_exit_record(exit_record, f"{label} ended during start-up, before it was ready to train")
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # disarmed or the rank is gone: a later teardown is not ours
+            if not os.read(read_fd, 1):
+                _record_unless_written(exit_record, f"{label} ended during start-up, before it was ready to train")
     except _JobTornDown:
-        if exit_record is not None and not exit_record.exists():
-            _write_exit_record(exit_record, f"the job was ended during start-up, before {label} was ready to train")
+        _record_unless_written(exit_record, f"the job was ended during start-up, before {label} was ready to train")
     except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
         return 1
     return 0

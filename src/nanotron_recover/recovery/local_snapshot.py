@@ -246,7 +246,6 @@ class PayloadHash:
     def __init__(self, kind: str = CHECKSUM_KIND) -> None:
         if kind not in ("xxh3_64", "crc32"):
             raise ValueError(f"unknown snapshot checksum {kind!r}")
-        self.kind = kind
         self._xxh = xxhash.xxh3_64() if kind == "xxh3_64" else None
         self._crc = 0
 

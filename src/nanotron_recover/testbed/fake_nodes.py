@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nanotron_recover.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV  # what the launcher reads (light imports)
-from nanotron_recover.procfs import process_is_gone
+from nanotron_recover.procfs import proc_stat, process_is_gone
 
 AGENT = """#!/usr/bin/env bash
 # a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here
@@ -78,15 +78,9 @@ def _children() -> dict[int, list[int]]:
     """parent pid -> child pids, from /proc."""
     out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name (in parentheses) may hold spaces
-        out.setdefault(ppid, []).append(int(entry))
+        stat = proc_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None:
+            out.setdefault(stat[0], []).append(int(entry))
     return out
 
 

@@ -65,7 +65,13 @@ class FaultToleranceArgs:
         local_snapshot_interval: every this many committed steps each rank writes its state to node-local
             memory-backed storage, so that a relaunch (node loss, too few replicas) continues from the newest
             committed step instead of the last disk checkpoint (:mod:`nanotron_recover.recovery.local_snapshot`).
-            0 turns it off.
+            0 turns it off. ``auto`` (default): every step until a write was measured, then Young's rule from the
+            measured write cost, step time and ``relaunch_mtbf_h``, at most ``local_snapshot_max_interval``
+            (:mod:`nanotron_recover.recovery.snapshot_schedule`).
+        local_snapshot_max_interval: with ``auto``, the most committed steps between two snapshots: the most steps
+            a relaunch recomputes.
+        relaunch_mtbf_h: with ``auto``, the expected hours between faults that end the job (a lost node): the
+            rarer they are, the longer the interval that pays for itself.
         local_snapshot_dir: where (memory: ``/dev/shm/nanotron-recover-<uid>`` by default); one folder per run and
             node inside it. Private to the user: a folder owned by another user is refused (snapshots off).
         local_snapshot_max_gb: the most the snapshots of one node may take (up to three copies per rank: two complete,
@@ -104,7 +110,9 @@ class FaultToleranceArgs:
     finalize_timeout_s: float = 60.0
     replica: str = REPLICA_3D
     fsdp_shard_size: Optional[int] = None
-    local_snapshot_interval: int = 1
+    local_snapshot_interval: Union[int, str] = "auto"
+    local_snapshot_max_interval: int = 10
+    relaunch_mtbf_h: float = 2.0
     local_snapshot_dir: str = field(default_factory=lambda: f"/dev/shm/nanotron-recover-{os.getuid()}")
     local_snapshot_max_gb: Optional[float] = None
     recycle: Optional[bool] = None
@@ -274,8 +282,12 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be >= 1 second, got {ft.finalize_timeout_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")
-    _check(ft.local_snapshot_interval >= 0, "fault_tolerance.local_snapshot_interval",
-           f"must be >= 0 (0: off), got {ft.local_snapshot_interval}")
+    interval = ft.local_snapshot_interval
+    _check(interval == "auto" or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 0),
+           "fault_tolerance.local_snapshot_interval", f"must be auto or an integer >= 0 (0: off), got {interval!r}")
+    _check(ft.local_snapshot_max_interval >= 1, "fault_tolerance.local_snapshot_max_interval",
+           f"must be >= 1, got {ft.local_snapshot_max_interval}")
+    _check(ft.relaunch_mtbf_h > 0, "fault_tolerance.relaunch_mtbf_h", f"must be > 0 hours, got {ft.relaunch_mtbf_h}")
     _check(ft.local_snapshot_max_gb is None or ft.local_snapshot_max_gb > 0, "fault_tolerance.local_snapshot_max_gb",
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)

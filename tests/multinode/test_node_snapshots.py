@@ -34,7 +34,7 @@ TOL = 1e-5
 def node_config(tiny_config, shm) -> dict:
     return tiny_config(dp=3, tp=2, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=INTERVAL,
                        fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
-                                        "local_snapshot_dir": str(shm)})
+                                        "local_snapshot_dir": str(shm), "local_snapshot_interval": 1})
 
 
 def test_a_lost_node_costs_one_step_not_a_checkpoint_interval(tiny_config, tmp_path, monkeypatch):

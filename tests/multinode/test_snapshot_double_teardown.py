@@ -94,7 +94,8 @@ def launch_and_lose_when(config_path: Path, run_dir: Path, bed: Path, node: str,
 def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_path, monkeypatch):
     raw = tiny_config(dp=2, tp=2, accumulation=2, steps=STEPS, layers=2,
                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
-                                       "local_snapshot_dir": str(tmp_path / "shm")})
+                                       "local_snapshot_dir": str(tmp_path / "shm"),
+                                       "local_snapshot_interval": 1})  # every step: the scenario needs ties
     config = config_from_dict(raw)
     chash = config_hash(config)
     for attempt in (1, 2):

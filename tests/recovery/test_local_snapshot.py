@@ -292,3 +292,22 @@ def test_a_snapshot_budget_too_small_is_refused_before_launch(tmp_path):
     check_local_snapshot_budget(config_from_dict(raw), ranks_per_node=2, run_dir=tmp_path / "run")
     raw["fault_tolerance"].update(local_snapshot_max_gb=1e-6, local_snapshot_interval=0)  # off: nothing to check
     check_local_snapshot_budget(config_from_dict(raw), ranks_per_node=2, run_dir=tmp_path / "run")
+
+
+def test_a_writes_cost_is_known_once_it_was_waited_for_and_counts_its_threads_cpu_time(tmp_path):
+    """The snapshot schedule's input: the write's CPU seconds on its thread plus the caller's wait."""
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)
+    big = [torch.rand(4_000_000)]  # 16 MB: a measurable write
+    writer.write(1, big, {})
+    assert writer.last_cost_s is None  # pending: not measured yet
+    started = time.perf_counter()
+    writer.wait()
+    waited = time.perf_counter() - started
+    assert writer.last_cost_s is not None and writer.last_cost_s > 0
+    assert writer.last_cost_s >= waited * 0.99  # the wait is part of it
+    time.sleep(0.3)
+    writer.write(2, big, {})
+    time.sleep(0.3)  # the write ends while the caller computes: no wait, its CPU time alone
+    writer.wait()
+    assert 0 < writer.last_cost_s < 0.3
+    writer.close()

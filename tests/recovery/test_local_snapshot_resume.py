@@ -31,7 +31,8 @@ RESUMED = re.compile(r"resumed from the local snapshot of step (\d+)")
 
 
 def config(kind: str, tmp_path: Path, seed: int = 7) -> dict:
-    ft = {"enabled": True, "reduce_bucket_mb": 0.01, "local_snapshot_dir": str(tmp_path / "shm")}
+    ft = {"enabled": True, "reduce_bucket_mb": 0.01, "local_snapshot_dir": str(tmp_path / "shm"),
+          "local_snapshot_interval": 1}  # every step: the relaunch resumes from the last committed one
     if kind == "fsdp":
         ft.update(replica="fsdp", fsdp_shard_size=2)
         raw = make_tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance=ft)
@@ -111,3 +112,42 @@ def test_a_new_run_in_a_remade_run_dir_does_not_take_the_old_runs_snapshots(tmp_
     assert not RESUMED.search(result.output), result.output[-3000:]
     assert [s["step"] for s in result.steps] == [1, 2]
     assert list(old.glob("*.snap")), "another run's snapshots are left alone"
+
+
+AUTO_STEPS, AUTO_CAP = 14, 3
+
+
+def test_with_auto_the_interval_grows_to_its_cap_and_a_relaunch_loses_at_most_the_cap(tmp_path):
+    """``local_snapshot_interval: auto`` with faults that end the job rare (Young's rule says far more than the
+    cap): every step is snapshotted until a write was measured, then every ``local_snapshot_max_interval`` steps;
+    the killed job's relaunch resumes from the newest of them, at most that many steps back, on the same
+    trajectory."""
+    def auto_config() -> dict:
+        raw = config("3d", tmp_path)
+        raw["tokens"]["train_steps"] = AUTO_STEPS
+        raw["fault_tolerance"].update(local_snapshot_interval="auto", local_snapshot_max_interval=AUTO_CAP,
+                                      relaunch_mtbf_h=1000.0)
+        return raw
+
+    reference = run_training(auto_config(), tmp_path / "reference", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    chosen = [e for e in read_metrics(tmp_path / "reference")[1] if e.get("event") == "snapshot_interval"]
+    assert chosen and chosen[-1]["interval"] == AUTO_CAP and chosen[-1]["write_cost_s"] > 0, chosen
+
+    run_dir = tmp_path / "run"
+    config_path = write_config(auto_config(), run_dir / "config.yaml")
+    last = launch_and_kill_the_job(config_path, run_dir, 8)
+    folder = snapshot_folder(config_from_dict(auto_config()), run_id(run_dir))
+    held = sorted({int(re.search(r"\.s(\d+)\.snap$", p.name).group(1)) for p in folder.glob("*.snap")})
+    assert len(held) >= 2 and held[-1] - held[-2] == AUTO_CAP, held  # the two newest: one interval apart
+
+    relaunched = time.time()
+    result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    (step,) = {int(m) for m in RESUMED.findall(result.output)}
+    assert step in held and last - step <= AUTO_CAP, (step, last, held)
+    after = [s for s in result.steps if s["time"] >= relaunched]
+    assert [s["step"] for s in after] == list(range(step + 1, AUTO_STEPS + 1))
+    assert [s["loss"] for s in after] == reference.losses[step:]
+    print(f"\nauto: interval {chosen[-1]['interval']} (write {chosen[-1]['write_cost_s'] * 1e3:.1f} ms, step "
+          f"{chosen[-1]['step_s'] * 1e3:.0f} ms); killed after step {last}, snapshots of steps {held} on the node, "
+          f"resumed at step {step}")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nanotron_recover.config import config_from_dict
+from nanotron_recover.recovery.rebalancing import SNAPSHOT_ENTRIES
 from nanotron_recover.recovery.resilient import ResilientDataParallel
 from nanotron_recover.strategy import LocalWork
 from nanotron_recover.workload.planner import plan_step
@@ -31,7 +32,7 @@ class SpeedWorld(InMemoryWorld):
     def allreduce_sum_(self, buf: np.ndarray, comm: str = "coord") -> np.ndarray:
         super().allreduce_sum_(buf, comm)
         if comm == "world":
-            slots = (len(buf) - 2) // 2
+            slots = (len(buf) - 2 - SNAPSHOT_ENTRIES) // 2  # the snapshot schedule's entries come last
             for slot, (seconds, n) in self.others.items():
                 buf[2 + slot] += seconds
                 buf[2 + slots + slot] += n

@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S)]
 
 
 def tiny(store: Path, steps: int) -> dict:
-    ft = {"enabled": True, "reduce_bucket_mb": 0.01, "local_snapshot_dir": str(store)}
+    ft = {"enabled": True, "reduce_bucket_mb": 0.01, "local_snapshot_dir": str(store), "local_snapshot_interval": 1}
     return make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance=ft)
 
 

@@ -3,8 +3,9 @@
 Why: on this Open MPI a node's loss ends the whole ``mpirun`` (README, "Running on many nodes"), and a relaunch
 from the last disk checkpoint recomputes every step since. But replicas are identical after each commit, so the
 ranks on the other nodes still hold, together, a full copy of the state of the last committed step. Each rank
-writes its state (parameters, fp32 masters in bf16, Adam, LR scheduler, step) every
-``fault_tolerance.local_snapshot_interval`` committed steps to memory-backed storage on its node; a relaunch
+writes its state (parameters, fp32 masters in bf16, Adam, LR scheduler, step) after the committed steps that
+:mod:`~nanotron_recover.recovery.snapshot_schedule` picks (``fault_tolerance.local_snapshot_interval``: fixed, or
+``auto`` from the measured write cost) to memory-backed storage on its node; a relaunch
 agrees on the newest snapshot for which every coordinate of a replica has a copy somewhere and loads it (ranks
 whose node has none receive it over MPI from one that has, chunk by chunk).
 
@@ -411,6 +412,11 @@ class SnapshotWriter:
         self._pending: Future | None = None
         self.failed: BaseException | None = None
         self.bytes_written = 0
+        # what a write costs training: its host copy, its thread's CPU seconds (on cores that also compute) and
+        # the time the caller waited for it; known once the caller waited for it (None before)
+        self.last_cost_s: float | None = None
+        self._copy_s = 0.0
+        self._write_cpu_s = 0.0
         for leftover in self.folder.glob(f"{name}.*.tmp"):  # a write of this rank's name killed mid-way
             leftover.unlink(missing_ok=True)
         self._spare.unlink(missing_ok=True)  # a previous launch's
@@ -434,6 +440,7 @@ class SnapshotWriter:
             self._payload_bytes = sum(_raw_bytes(t).numel() for t in tensors)
         elif _describe(tensors) != self._layout:
             raise ValueError("the state tensors changed shape or dtype between snapshots")
+        started = time.perf_counter()
         if any(t.device.type != "cpu" for t in tensors):
             if self._buffer is None:
                 self._allocate(tensors)
@@ -442,6 +449,7 @@ class SnapshotWriter:
             self._sources = [self._buffer]
         else:
             self._sources = [_raw_bytes(t) for t in tensors]
+        self._copy_s = time.perf_counter() - started
         header = {**self._base, "step": step, "epoch": epoch, "tensors": self._layout, "extras": _to_json(extras)}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
@@ -459,8 +467,10 @@ class SnapshotWriter:
     def _write_safely(self, step: int, header: dict) -> None:
         path = self.folder / file_name(self.name, self.history, step)
         tmp = path.with_name(path.name + ".tmp")
+        cpu = time.thread_time()
         try:
             self._write_file(path, tmp, header)
+            self._write_cpu_s = time.thread_time() - cpu
         except Exception as e:  # noqa: BLE001 - storage full, or gone: training goes on without snapshots
             tmp.unlink(missing_ok=True)
             self.failed = e
@@ -537,7 +547,9 @@ class SnapshotWriter:
     def wait(self) -> None:
         """The pending write is done: the tensors it read may change again."""
         if self._pending is not None:
+            started = time.perf_counter()
             self._pending.result()
+            self.last_cost_s = self._copy_s + self._write_cpu_s + (time.perf_counter() - started)
             self._pending = None
         self._sources = []
 
@@ -721,7 +733,7 @@ class LocalSnapshots:
 
     def __init__(self, config: Any, run_dir: Path, ft: Any, replica: int, coord: int,
                  log: Callable[[str], None] = print) -> None:
-        self.interval = config.fault_tolerance.local_snapshot_interval
+        self.setting = config.fault_tolerance.local_snapshot_interval  # 0: off; which steps: the SnapshotSchedule
         self.config_hash = config_hash(config)
         self.coords = range(config.ranks_per_replica)
         self.ft, self.replica, self.coord, self.log = ft, replica, coord, log
@@ -747,7 +759,7 @@ class LocalSnapshots:
 
     @property
     def enabled(self) -> bool:
-        return self.interval > 0
+        return self.setting != 0
 
     @property
     def writing(self) -> bool:
@@ -760,10 +772,12 @@ class LocalSnapshots:
 
     # ----------------------------------------------------------------------------------------- writing
     def after_commit(self, step: int, state: Any, epoch: int = 0,
-                     log_event: Callable[[dict], None] = lambda record: None) -> None:
-        """Snapshot the state of committed ``step`` (every ``interval`` steps); the first one is logged as a
-        ``local_snapshot`` event (its bytes per rank). Never raises for storage trouble: snapshots turn off."""
-        if not self.writing or step % self.interval:
+                     log_event: Callable[[dict], None] = lambda record: None, due: bool = True) -> None:
+        """Snapshot the state of committed ``step`` if it is ``due`` (the
+        :class:`~nanotron_recover.recovery.snapshot_schedule.SnapshotSchedule`'s call, the same on every rank); the
+        first one is logged as a ``local_snapshot`` event (its bytes per rank). Never raises for storage trouble:
+        snapshots turn off."""
+        if not self.writing or not due:
             return
         from nanotron_recover.training_state import state_tensors
 
@@ -781,6 +795,11 @@ class LocalSnapshots:
         if first:
             log_event({"event": "local_snapshot", "step": step, "folder": str(self.folder),
                        "bytes_per_rank": self._writer.payload_bytes})
+
+    @property
+    def cost_s(self) -> float | None:
+        """What this rank's last measured write cost training (None: none measured, or not writing)."""
+        return self._writer.last_cost_s if self.writing and self._writer is not None else None
 
     def settle(self) -> None:
         """Wait for the pending write, which reads the state tensors in place: call before changing them."""

@@ -7,6 +7,10 @@ contributor, so its sum is exact and bit-identical on every rank, whatever order
 every rank feeds the same numbers to the pure :class:`~nanotron_recover.workload.rebalance.Rebalancer`, so the next
 step's quotas are the same everywhere with no extra round. Only the committed attempt's numbers are observed: a
 reduction that failed may have completed on some ranks only.
+
+Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.recovery.snapshot_schedule`): each rank's
+cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
+contributors, still an exact sum), with how many ranks contributed each.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
 
 LOSS, MICROBATCHES = 0, 1  # the first two entries of the stats buffer
+SNAPSHOT_ENTRIES = 4  # the last ones: snapshot write cost, writers, step time, ranks
 
 
 def settings_of(config: RecoverConfig) -> RebalanceSettings:
@@ -40,19 +45,31 @@ class StepStats:
 
     def __init__(self, config: RecoverConfig) -> None:
         self.slots = config.parallelism.dp
-        self.stats = np.zeros(2 + 2 * self.slots, dtype=np.float64)
+        self.stats = np.zeros(2 + 2 * self.slots + SNAPSHOT_ENTRIES, dtype=np.float64)
         self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
 
-    def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None) -> np.ndarray:
+    def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None,
+             snapshot_cost_s: float | None = None, step_s: float | None = None) -> np.ndarray:
         """This rank's contribution: ``counts`` for local rank 0 of a computing replica (the count and the speeds
-        are counted once per replica), ``slot`` the slot its replica holds."""
+        are counted once per replica), ``slot`` the slot its replica holds; ``snapshot_cost_s`` and ``step_s``
+        its last measured snapshot write and step (None: none measured yet)."""
         self.stats[:] = 0.0
         self.stats[LOSS] = loss
         self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
         if counts and slot is not None:
             self.stats[2 + slot] = work.compute_s
             self.stats[2 + self.slots + slot] = work.microbatches
+        tail = self.stats[-SNAPSHOT_ENTRIES:]
+        if snapshot_cost_s is not None:
+            tail[0], tail[1] = round(snapshot_cost_s * 1e6), 1.0
+        if step_s is not None:
+            tail[2], tail[3] = round(step_s * 1e6), 1.0
         return self.stats
+
+    def snapshot_sums(self) -> tuple[float, float, float, float]:
+        """The committed step's (write cost µs, writers, step µs, ranks) sums, for the snapshot schedule."""
+        cost_us, writers, step_us, ranks = (float(v) for v in self.stats[-SNAPSHOT_ENTRIES:])
+        return cost_us, writers, step_us, ranks
 
     def observe(self, roster: ReplicaRoster) -> dict[str, Any]:
         """Feed the committed step's speeds to the rebalancer; what the step record carries of them."""

@@ -33,6 +33,7 @@ from nanotron_recover.recovery.formation import ReplicaFormation
 from nanotron_recover.recovery.lifecycle import ProcessLifecycle
 from nanotron_recover.recovery.local_snapshot import LocalSnapshots
 from nanotron_recover.recovery.rebalancing import StepStats
+from nanotron_recover.recovery.snapshot_schedule import SnapshotSchedule
 from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
 from nanotron_recover.strategy import (
     AttachedModel,
@@ -116,6 +117,10 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self.holders: set[int] = set(active)
         self._step_started = 0.0
         self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
+        # which committed steps are snapshotted: the same decision on every rank, spares and pool ranks included
+        self.snapshot_schedule = SnapshotSchedule.of(ft_args.local_snapshot_interval,
+                                                     ft_args.local_snapshot_max_interval, ft_args.relaunch_mtbf_h)
+        self._last_step_s: float | None = None
 
     def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
         """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""
@@ -177,6 +182,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             self.buckets.release(step)  # committed: the snapshots are no longer needed
         self.holders = set(plan)  # the replicas that computed and committed this step, still alive
         stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
+        self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums())
         committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:
             if self.keep_global_batch:
@@ -223,7 +229,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                 if i == 0:
                     services.fault_point(step, Phase.REDUCE)
         stats = self.step_stats.fill(work.loss_sum if (computing and self._reports_loss()) else 0.0, work,
-                                     computing and self.local_rank == 0, self.roster.slot_of(self.replica))
+                                     computing and self.local_rank == 0, self.roster.slot_of(self.replica),
+                                     self.snapshots.cost_s if self.snapshots is not None else None,
+                                     self._last_step_s)
         self.ft.allreduce_sum_(stats, "world")
 
     def _repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
@@ -356,14 +364,19 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                                "state transfer were lost") from None
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
+        news = self.snapshot_schedule.news(step)
+        if news is not None:
+            services.metrics.log_event(news)
         if self.snapshots is not None and self.computes():  # an idle spare's state is not the committed one
             self.progress(step, Phase.SNAPSHOT)
             try:
-                self.snapshots.after_commit(step, state, epoch=self.ft.epoch, log_event=services.metrics.log_event)
+                self.snapshots.after_commit(step, state, epoch=self.ft.epoch, log_event=services.metrics.log_event,
+                                            due=self.snapshot_schedule.due_now)
             except OSError as e:  # e.g. /dev/shm full: training goes on, relaunches use the disk checkpoint
                 print(f"[nanotron-recover] local snapshots turned off: {e}", flush=True)
                 self.snapshots = None
-        self.hang_policy.record_step(time.monotonic() - self._step_started)
+        self._last_step_s = time.monotonic() - self._step_started
+        self.hang_policy.record_step(self._last_step_s)
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)
@@ -408,6 +421,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             if not self.holders:
                 raise BelowMinimumReplicas(0, self.min_replicas, step,
                                            reason=f"no live replica holds the committed state of step {step}")
+            epoch = self.ft.epoch  # a repair of the watcher's during the write is the one this save's peers matched
             writer_replica = min(self.holders)
             write(
                 self.replica == writer_replica,
@@ -416,9 +430,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                 {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
             )
             try:
-                self.ft.agree(True)
+                self.ft.agree(True, epoch)
                 return
             except FailureDetected:
-                self._repair(services, step, Phase.CHECKPOINT)
+                self._repair(services, step, Phase.CHECKPOINT, epoch)
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None

@@ -7,8 +7,9 @@ form a new replica once it holds a replica's worth of ranks; nothing else joins 
 spawning is unsafe on this Open MPI);
 below ``min_replicas`` the job checkpoints and exits 3, and the requeued job starts at full size. A node's
 daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (README, "Running on many nodes"), so a node loss is a crash and a
-relaunch; the relaunch resumes from the node-local snapshots of the last committed step (``local_snapshot_interval: 1``,
-the default: only the step in flight is lost), not from the last periodic checkpoint as checkpoint-restart does.
+relaunch; the relaunch resumes from the node-local snapshots of the last committed step (modelled as
+``local_snapshot_interval: 1``: only the step in flight is lost; with ``auto``, the default, up to
+``local_snapshot_max_interval`` steps more), not from the last periodic checkpoint as checkpoint-restart does.
 ``hypothetical`` policies are not in the code.
 """
 

@@ -1,0 +1,84 @@
+"""Which committed steps get a node-local snapshot: a fixed interval, or one chosen from the measured cost.
+
+A snapshot costs the step its write (the writer thread's CPU seconds, on cores that also compute, plus any time
+the next update waited for it); a relaunch costs the steps since the last snapshot. With ``auto`` the interval is
+Young's rule, the interval that minimises the expected time lost to both: ``sqrt(2 * cost * MTBF)`` seconds, with
+``MTBF`` the expected time between faults that end the job (``relaunch_mtbf_h``), converted to steps with the
+measured step time, and capped at ``local_snapshot_max_interval``, the most steps a relaunch may lose. Until a
+write was measured, every step is snapshotted.
+
+Every rank must snapshot the same steps (a relaunch loads a step that every coordinate holds), so the schedule is
+fed only the step's world-wide sums (:class:`~nanotron_recover.recovery.rebalancing.StepStats`), which are
+integers of microseconds: their sums are exact in float64 and the same on every rank, whatever order MPI adds
+in, and so is every decision drawn from them, spares and pool ranks included.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+AUTO = "auto"
+
+
+def young_interval(cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> int:
+    """Steps between snapshots by Young's rule (``sqrt(2 * cost * MTBF)`` seconds), in ``[1, max_interval]``."""
+    if step_s <= 0:
+        return 1
+    steps = math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s
+    return max(1, min(max_interval, round(steps)))
+
+
+@dataclass
+class SnapshotSchedule:
+    """``fixed``: every this many steps (``step % fixed == 0``, as a user reads the setting); None: ``auto``."""
+
+    fixed: int | None
+    max_interval: int
+    mtbf_s: float
+    interval: int = 1
+    cost_s: float | None = None  # the writers' mean cost of their last measured write (agreed)
+    step_s: float | None = None  # the ranks' mean step time (agreed)
+    last: int | None = None  # the last step snapshotted (or the step before the first this launch trains)
+    due_now: bool = False  # the last committed step's decision (:meth:`commit`)
+    _reported: int = 1  # the auto interval last reported (:meth:`news`)
+
+    @classmethod
+    def of(cls, setting: int | str, max_interval: int, mtbf_h: float) -> SnapshotSchedule:
+        return cls(fixed=None if setting == AUTO else int(setting), max_interval=max_interval, mtbf_s=mtbf_h * 3600)
+
+    def observe(self, cost_us: float, writers: float, step_us: float, ranks: float) -> None:
+        """A committed step's sums: writers' last write costs (and how many writers measured one), ranks' step
+        times (and how many ranks measured one), all in whole microseconds."""
+        if writers > 0:
+            self.cost_s = cost_us / writers / 1e6
+        if ranks > 0:
+            self.step_s = step_us / ranks / 1e6
+        if self.fixed is None and self.cost_s is not None and self.step_s is not None:
+            self.interval = young_interval(self.cost_s, self.step_s, self.mtbf_s, self.max_interval)
+
+    def commit(self, step: int, sums: tuple[float, float, float, float]) -> bool:
+        """A committed step, with its world-wide sums (:meth:`observe`): whether it is snapshotted (also kept in
+        ``due_now``)."""
+        self.observe(*sums)
+        self.due_now = self.due(step)
+        return self.due_now
+
+    def news(self, step: int) -> dict | None:
+        """A ``snapshot_interval`` event when the auto interval changed since the last one (None otherwise)."""
+        if self.fixed is not None or self.cost_s is None or self.interval == self._reported:
+            return None
+        self._reported = self.interval
+        return {"event": "snapshot_interval", "step": step, "interval": self.interval,
+                "write_cost_s": round(self.cost_s, 6), "step_s": round(self.step_s or 0.0, 6)}
+
+    def due(self, step: int) -> bool:
+        """Whether committed ``step`` is snapshotted; call once per committed step, on every rank."""
+        if self.fixed is not None:
+            return self.fixed > 0 and step % self.fixed == 0
+        if self.last is None:
+            self.last = step - 1
+        if step - self.last < self.interval:
+            return False
+        self.last = step
+        return True

@@ -84,7 +84,8 @@ def ranks_by_node() -> dict[str, list[int]]:
 def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_trajectory(two_nodes, tmp_path):
     # 2 replicas x TP2 on 2 nodes x 2 task slots; checkpoints every 2 steps
     config = make_tiny_config(dp=2, tp=2, steps=STEPS, accumulation=2, layers=2, checkpoint_interval=2,
-                              fault_tolerance={"enabled": True})
+                              fault_tolerance={"enabled": True, "local_snapshot_interval": 1})  # every step:
+    # the survivors may commit steps after the loss, before the teardown reaches them; all of those are kept
     config_path = write_config(config, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",

@@ -65,14 +65,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                               "wall_s": a.end_t - a.launch_t, "step_times": [s["step_time_s"] for s in a.steps]})
         print(f"[overhead] run {k + 1}/{len(order)} {name}: median step {median(times) * 1000:.2f} ms "
               f"(load {a.load_avg_1min:.1f})", flush=True)
-    med = {n: median(r["median_step_s"] for r in runs) for n, runs in per_run.items()}
-    ratio = med["recover"] / med["stock"]
-    # the mean counts every step as a user pays it: with a snapshot every few steps, the median may miss them
-    mean = {n: median(r["mean_step_s"] for r in runs) for n, runs in per_run.items()}
-    mean_ratio = mean["recover"] / mean["stock"]
-    # each round runs every variant once, next to each other: a ratio within a round is robust to slow drifts
-    rounds = [r["median_step_s"] / s["median_step_s"] for r, s in zip(per_run["recover"], per_run["stock"])]
-    pairwise = median(rounds)
+    med, mean, rounds = summarise(per_run)
+    ratio, mean_ratio, pairwise = med["recover"] / med["stock"], mean["recover"] / mean["stock"], median(rounds)
     command = command_line(argv, "benchmarks/overhead.py")
     M = args.dp * args.accumulation
     setup = (f"{args.dp} replicas x TP{args.tp} x PP{args.pp}, M = {M} microbatches/step, {args.steps} steps, "
@@ -113,6 +107,16 @@ MECHANISMS = {"node-local snapshots": ("recover", "recover-no-snapshots"),
               "hang monitor": ("recover", "recover-no-hang-monitor"),
               "both": ("recover", "recover-bare"),
               "the data path (bare ReCoVer vs stock)": ("recover-bare", "stock")}
+
+
+def summarise(per_run: dict[str, list[dict]]) -> tuple[dict[str, float], dict[str, float], list[float]]:
+    """Per variant the median of its per-run medians and of its per-run means (a mean counts every step as a user
+    pays it: with a snapshot every few steps a median can miss them); and ReCoVer / stock within each round (the
+    round's runs ran next to each other: robust to slow drifts of the machine)."""
+    med = {n: median(r["median_step_s"] for r in runs) for n, runs in per_run.items()}
+    mean = {n: median(r["mean_step_s"] for r in runs) for n, runs in per_run.items()}
+    rounds = [r["median_step_s"] / s["median_step_s"] for r, s in zip(per_run["recover"], per_run["stock"])]
+    return med, mean, rounds
 
 
 def interleaved(names: list[str], repeats: int) -> list[str]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.overhead import PATHS, interleaved, shares
+from benchmarks.overhead import PATHS, interleaved, shares, summarise
 from nanotron_recover.config import config_from_dict
 from tests.conftest import make_tiny_config
 
@@ -29,3 +29,12 @@ def test_every_variant_is_a_valid_config() -> None:
     for name, ft in PATHS.items():
         config = make_tiny_config(dp=2, fault_tolerance=ft)
         assert (config_from_dict(config).fault_tolerance is None) == (ft is None), name
+
+
+def test_medians_means_and_each_rounds_own_ratio() -> None:
+    run = lambda median_s, mean_s: {"median_step_s": median_s, "mean_step_s": mean_s}  # noqa: E731
+    per_run = {"stock": [run(1.0, 1.0), run(0.5, 0.6), run(0.8, 0.8)],
+               "recover": [run(1.1, 1.3), run(0.6, 0.6), run(0.8, 0.9)]}
+    med, mean, rounds = summarise(per_run)
+    assert med == {"stock": 0.8, "recover": 0.8} and mean == {"stock": 0.8, "recover": 0.9}
+    assert rounds == pytest.approx([1.1, 1.2, 1.0])  # the drift from 1.0 to 0.5 s cancels within each round

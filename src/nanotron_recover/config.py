@@ -287,7 +287,8 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            "fault_tolerance.local_snapshot_interval", f"must be auto or an integer >= 0 (0: off), got {interval!r}")
     _check(ft.local_snapshot_max_interval >= 1, "fault_tolerance.local_snapshot_max_interval",
            f"must be >= 1, got {ft.local_snapshot_max_interval}")
-    _check(ft.relaunch_mtbf_h > 0, "fault_tolerance.relaunch_mtbf_h", f"must be > 0 hours, got {ft.relaunch_mtbf_h}")
+    _check(math.isfinite(ft.relaunch_mtbf_h) and ft.relaunch_mtbf_h > 0, "fault_tolerance.relaunch_mtbf_h",
+           f"must be a finite number of hours > 0 (a large one for rare faults), got {ft.relaunch_mtbf_h}")
     _check(ft.local_snapshot_max_gb is None or ft.local_snapshot_max_gb > 0, "fault_tolerance.local_snapshot_max_gb",
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _validate_replica_kind(config)

@@ -114,7 +114,7 @@ def test_a_new_run_in_a_remade_run_dir_does_not_take_the_old_runs_snapshots(tmp_
     assert list(old.glob("*.snap")), "another run's snapshots are left alone"
 
 
-AUTO_STEPS, AUTO_CAP = 14, 3
+AUTO_STEPS, AUTO_CAP = 20, 3  # killed after step 8: 12 steps of margin before the run could finish
 
 
 def test_with_auto_the_interval_grows_to_its_cap_and_a_relaunch_loses_at_most_the_cap(tmp_path):

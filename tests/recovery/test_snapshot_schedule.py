@@ -27,6 +27,7 @@ def test_young_interval_is_the_square_root_rule_in_steps_within_its_bounds():
     assert young_interval(0.0, 10.0, HOUR, 10) == 1  # free snapshots: every step
     assert young_interval(1e-6, 10.0, HOUR, 10) == 1
     assert young_interval(0.5, 0.0, HOUR, 10) == 1  # no step time measured
+    assert young_interval(0.5, 10.0, math.inf, 10) == 10  # not a number of steps (config refuses it): the cap
 
 
 def test_a_fixed_interval_snapshots_the_multiples_of_it_and_zero_none():
@@ -95,7 +96,7 @@ def test_a_bad_interval_setting_is_refused_before_launch(bad):
 def test_auto_is_the_default_and_its_bounds_are_checked():
     raw = make_tiny_config(dp=2, accumulation=2, fault_tolerance={"enabled": True})
     assert config_from_dict(raw).fault_tolerance.local_snapshot_interval == "auto"
-    for key, value in (("local_snapshot_max_interval", 0), ("relaunch_mtbf_h", 0)):
+    for key, value in (("local_snapshot_max_interval", 0), ("relaunch_mtbf_h", 0), ("relaunch_mtbf_h", math.inf)):
         with pytest.raises(ValueError, match=key):
             config_from_dict(make_tiny_config(dp=2, accumulation=2,
                                               fault_tolerance={"enabled": True, key: value}))

@@ -26,6 +26,8 @@ def young_interval(cost_s: float, step_s: float, mtbf_s: float, max_interval: in
     if step_s <= 0:
         return 1
     steps = math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s
+    if not math.isfinite(steps):  # never from validated settings; an overflow must not end the run
+        return max_interval
     return max(1, min(max_interval, round(steps)))
 
 

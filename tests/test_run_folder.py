@@ -15,6 +15,7 @@ from nanotron_recover.inject import FailureInjector, FailureSpec, marker_name
 from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.run_folder import (
     begin_launch,
+    exit_reasons,
     has_provoked_hang,
     last_logged_step,
     read_exits,
@@ -121,6 +122,17 @@ def test_records_that_are_not_ours_are_skipped(tmp_path: Path) -> None:
     steps, _ = read_metrics(tmp_path)
     assert [s["step"] for s in steps] == [2] and last_logged_step(tmp_path) == 2
     assert list(read_exits(tmp_path)) == [1]
+
+
+def test_exit_reasons_group_the_ranks_that_gave_the_same_reason(tmp_path: Path) -> None:
+    record_exit(tmp_path, 3, EXIT_RESTART, "hang: rank 5 is still alive")
+    for rank in (0, 2, 1):
+        record_exit(tmp_path, rank, EXIT_RESTART, "below min_replicas")
+    record_exit(tmp_path, 4, EXIT_ABORTED, "")
+    assert exit_reasons(tmp_path) == ["ranks [0, 1, 2] (exit 3): below min_replicas",
+                                      "rank 3 (exit 3): hang: rank 5 is still alive",
+                                      f"rank 4 (exit {EXIT_ABORTED}): no reason given"]
+    assert exit_reasons(tmp_path, limit=1) == ["ranks [0, 1, 2] (exit 3): below min_replicas"]
 
 
 def test_a_new_launch_is_judged_by_its_own_exit_records(tmp_path: Path) -> None:

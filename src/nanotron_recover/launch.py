@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.overrides import add_override_args, forwarded_args, load_effective_config
-from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, ranks_wrote_since, run_outcome
+from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, exit_reasons, ranks_wrote_since, run_outcome
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
@@ -187,7 +187,16 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:
     elif verdict == "aborted":
         print(f"[nanotron-recover] a rank aborted the job on an error ({detail}): exit {EXIT_ABORTED}",
               file=sys.stderr, flush=True)
+    if verdict in ("restart", "aborted"):
+        _say_why(run_dir)
     return OUTCOME_EXIT_CODES[verdict]
+
+
+def _say_why(run_dir: Path) -> None:
+    """Repeat the ranks' own reasons from their exit records: a rank's last stderr line can be lost when its
+    daemon is torn down right after it (the daemon forwards the rank's output), its exit record cannot."""
+    for line in exit_reasons(run_dir):
+        print(f"[nanotron-recover] why: {line}", file=sys.stderr, flush=True)
 
 
 def _checkpoints_path(config: "RecoverConfig") -> str:

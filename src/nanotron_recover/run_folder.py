@@ -210,6 +210,18 @@ def read_exits(run_dir: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def exit_reasons(run_dir: Path, limit: int = 5) -> list[str]:
+    """The distinct reasons in the exit records, each with the ranks that gave it: ``"ranks [0, 2] (exit 3): ..."``.
+    At most ``limit`` lines, the most common reasons first."""
+    by_reason: dict[tuple[int, str], list[int]] = {}
+    for rank, record in sorted(read_exits(run_dir).items()):
+        key = (int(record.get("code", -1)), str(record.get("reason", "")).strip() or "no reason given")
+        by_reason.setdefault(key, []).append(rank)
+    ordered = sorted(by_reason.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    return [f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} (exit {code}): {reason}"
+            for (code, reason), ranks in ordered[:limit]]
+
+
 def ranks_wrote_since(run_dir: Path, since: float) -> bool:
     """Did a rank of the launch that began at ``since`` get far enough to write a step record or an exit record?"""
     paths = [metrics_path(run_dir), *(Path(run_dir) / EXITS_DIR).glob("rank-*.json")]

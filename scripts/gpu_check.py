@@ -5,7 +5,8 @@
 Checks the parts that differ on GPU: flat fp32 gradient buckets on CUDA with pinned host staging for MPI,
 snapshot/restore of CUDA buckets, and (HSDP) FSDP2 on NCCL accumulating its reduce-scattered gradient shards into
 the CUDA buckets across two backward passes (a one-rank NCCL world), and bf16 parameters with fp32 masters on
-CUDA (nanotron's mixed-precision recipe on the buckets). A training run on GPU uses the same launcher
+CUDA (nanotron's mixed-precision recipe on the buckets), and the NCCL data plane (build, reduce in place, abort,
+rebuild, reduce again). A training run on GPU uses the same launcher
 (`nanotron-recover train --config-file ...`: NCCL inside each replica, host-staged ULFM across replicas).
 """
 
@@ -101,11 +102,43 @@ def check_cuda_bf16_masters() -> None:
         assert torch.equal(p, master.to(torch.bfloat16)), "bf16 copy refreshed from the fp32 master"
 
 
+def check_nccl_data_plane() -> None:
+    """The torch data plane on NCCL (a one-member coordinate of a one-rank MPI world): reduce the CUDA buckets in
+    place, close (``abort`` + destroy), rebuild and reduce again; then the same with a pending collective closed."""
+    import time
+
+    from nanotron_recover.ft import FTWorld
+    from nanotron_recover.ft.data_plane import TorchDataPlane
+
+    ft = FTWorld(watch=False)
+    plane = TorchDataPlane(ft, torch.device("cuda", torch.cuda.current_device()), 60.0)
+    assert plane.backend == "nccl", plane.backend
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8)).cuda()
+    buckets = GradBuckets(list(model.named_parameters()), 1.0, "cuda")
+    for attempt in range(2):
+        buckets.flat.fill_(3.0)
+        t0 = time.perf_counter()
+        for i in range(buckets.num_buckets):
+            plane.allreduce_sum_(buckets, i)
+        torch.cuda.synchronize()
+        assert torch.equal(buckets.flat, torch.full_like(buckets.flat, 3.0)), "a one-member SUM is the identity"
+        took_ms = (time.perf_counter() - t0) * 1e3
+        print(f"  nccl plane attempt {attempt}: {buckets.num_buckets} buckets in {took_ms:.1f} ms, group build "
+              f"{plane.last_build}")
+        plane.close()
+    assert plane.builds == 2, plane.builds
+    plane._work = plane._current_group().allreduce([buckets.view(0)])  # closed while (maybe) still in flight
+    plane.close()
+    buckets.snapshot(0, 0)
+    buckets.restore(0)  # nothing of the closed collective may land after this
+    torch.cuda.synchronize()
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
         return 2
-    for check in (check_cuda_buckets, check_cuda_fsdp_buckets, check_cuda_bf16_masters):
+    for check in (check_cuda_buckets, check_cuda_fsdp_buckets, check_cuda_bf16_masters, check_nccl_data_plane):
         check()
         print(f"ok {check.__name__}")
     return 0

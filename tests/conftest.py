@@ -18,6 +18,9 @@ STOCK = Path(__file__).parent / "fixtures" / "stock_nanotron.yaml"
 # start-up on 2 cores; the tests of the wandb copy (tests/test_metrics.py, the main job, a logging rank's handover
 # in a fault, the campaign slice) turn it back on with WANDB_MODE=offline, the users' default
 os.environ.setdefault("WANDB_MODE", "disabled")
+# NANOTRON_RECOVER_TEST_DATA_PLANE=torch runs every fault-tolerant job of the suite whose config does not name a
+# data plane on the torch one (docs/data-plane.md: the fault suites on both planes)
+TEST_DATA_PLANE = os.environ.get("NANOTRON_RECOVER_TEST_DATA_PLANE")
 # every test of these modules launches real mpirun jobs (each with its own hard timeout)
 SLOW_MODULES = ("ft/test_ft_integ.py", "ft/test_training_faults.py")
 
@@ -52,6 +55,8 @@ def make_tiny_config(
     lr.update(lr_warmup_steps=2, lr_decay_steps=max(1, steps - 2))
     if fault_tolerance is not None:
         config["fault_tolerance"] = fault_tolerance
+        if TEST_DATA_PLANE and fault_tolerance.get("enabled", True):
+            config["fault_tolerance"] = {"data_plane": TEST_DATA_PLANE, **fault_tolerance}
     return config
 
 

@@ -24,6 +24,7 @@ from nanotron_recover.inject import FailureSpec
 REPLICA_3D = "3d"
 REPLICA_FSDP = "fsdp"
 REPLICA_KINDS = (REPLICA_3D, REPLICA_FSDP)
+DATA_PLANES = ("auto", "mpi", "torch")
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,11 @@ class FaultToleranceArgs:
         straggler_factor: a replica slower than this factor x the median replica for ``straggler_steps``
             consecutive steps is drained (quota 0 for the rest of the run). Null (default): never drained.
         straggler_steps: how many consecutive slow steps make a replica a persistent straggler.
+        data_plane: what carries the cross-replica gradient bytes. ``mpi``: the ULFM communicators themselves
+            (host-staged on GPU). ``torch``: a torch process group per coordinate (gloo on CPU, NCCL on GPU, in place
+            on the device buffers), rebuilt after every repair; ULFM still detects, agrees and commits
+            (:mod:`nanotron_recover.ft.data_plane`). ``auto`` (default): ``mpi`` on CPU, ``torch`` on GPU
+            (docs/data-plane.md says why).
     """
 
     enabled: bool = True
@@ -122,6 +128,7 @@ class FaultToleranceArgs:
     rebalance_hysteresis: float = 0.1
     straggler_factor: Optional[float] = None
     straggler_steps: int = 10
+    data_plane: str = "auto"
 
 
 @dataclass
@@ -291,6 +298,8 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be a finite number of hours > 0 (a large one for rare faults), got {ft.relaunch_mtbf_h}")
     _check(ft.local_snapshot_max_gb is None or ft.local_snapshot_max_gb > 0, "fault_tolerance.local_snapshot_max_gb",
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
+    _check(ft.data_plane in DATA_PLANES, "fault_tolerance.data_plane",
+           f"must be one of {', '.join(DATA_PLANES)}, got {ft.data_plane!r}")
     _validate_replica_kind(config)
     _validate_rebalance(config)
     if ft.recycle is None:

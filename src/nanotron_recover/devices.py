@@ -45,3 +45,15 @@ def set_current_device() -> torch.device:
 def needs_host_staging(device: torch.device) -> bool:
     """Whether MPI must see a host copy of a tensor living on ``device``."""
     return device.type != "cpu"
+
+
+def default_data_plane(device: torch.device) -> str:
+    """``fault_tolerance.data_plane: auto``: MPI on CPU (its in-place reduction beats gloo's at every bucket size
+    measured), a torch group on GPU (NCCL keeps the bytes on the device and on NVLink / InfiniBand, where the
+    PyPI Open MPI stages them through host memory over TCP). docs/data-plane.md has the numbers."""
+    return "torch" if device.type == "cuda" else "mpi"
+
+
+def data_plane_backend(device: torch.device) -> str:
+    """The torch backend of the cross-replica data plane for buffers on ``device``."""
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -29,6 +29,7 @@ _WHERE = {
     "FailureWatcher": "watcher",
     "FTWorld": "world",
     "ReplicaWorld": "protocol",
+    "make_data_plane": "data_plane",
 }
 
 __all__ = sorted(_WHERE)

@@ -120,6 +120,7 @@ class FTWorld:
         self._cause: dict | None = None  # what made this rank enter the next repair (kept in the event)
         # Test seam: called inside the repair protocol as hook(point, attempt); used to SIGKILL a rank mid-repair.
         self.repair_hook: Callable[[str, int], None] | None = None
+        self.before_repair: list[Callable[[], None]] = []  # run by every survivor as it enters a repair
         self.watcher: FailureWatcher | None = FailureWatcher(comm, self._on_notice).start() if watch else None
 
     # --------------------------------------------------------------- start-up
@@ -228,6 +229,12 @@ class FTWorld:
         with self._guard(f"bcast({comm})", c):
             c.Bcast(buf, root=root)
         return buf
+
+    def allgather_coord(self, obj) -> list:
+        """Every member's ``obj`` (picklable, small) over my coordinate, in coordinate-communicator rank order."""
+        c = self._comm("coord")
+        with self._guard("allgather(coord)", c):
+            return c.allgather(obj)
 
     def allgather_object(self, obj):
         """Every live rank's ``obj`` (picklable, small), in live-rank order."""
@@ -346,6 +353,8 @@ class FTWorld:
         if self.evicted:
             raise RuntimeError("this rank was already evicted; it must exit")
         assert self.world_comm is not None
+        for hook in self.before_repair:  # e.g. the torch data plane closes its group: no peer stays blocked in it
+            hook()
         start = time.monotonic()
         self.had_failure = True
         entry_agree, self._commit_agree_failed = not self._commit_agree_failed, False
@@ -513,20 +522,52 @@ class FTWorld:
             if self.evicted:
                 raise RuntimeError(f"rank {self.rank} was evicted; no collectives allowed")
             if check_pending and self.fail_fast and self.failure_pending():
-                self._note_error()
-                self._revoke_all(comm)
-                self._set_cause(op, -1, f"failure notice before start: dead {sorted(self.watcher.dead_ranks)}")
-                raise FailureDetected(op, -1, self.epoch, "failure notice before start")
+                raise self._failed(op, comm, -1, f"failure notice before start: dead {sorted(self.watcher.dead_ranks)}",
+                                   "failure notice before start")
             self.progress.waiting(op)
             try:
                 yield
             except MPI.Exception as exc:
-                self._note_error()
-                self._revoke_all(comm)
-                self._set_cause(op, error_class(exc), str(exc))
-                raise FailureDetected(op, error_class(exc), self.epoch, str(exc)) from exc
+                raise self._failed(op, comm, error_class(exc), str(exc)) from exc
             finally:
                 self.progress.resume()
+
+    def wait_outside_mpi(self, op: str, is_done: Callable[[], bool], abandon: Callable[[], None],
+                         comm: CommName = "coord") -> None:
+        """Wait for a cross-replica operation that runs outside MPI (a torch collective of the data plane) as for a
+        guarded collective: it completes, or every survivor gets :class:`FailureDetected`. On a death noticed by the
+        watcher, or an error of the operation itself, the MPI communicators are revoked first (peers blocked in MPI
+        move on to the repair), then ``abandon`` runs: it must return only once no byte of the operation is in
+        flight."""
+        c = self._comm(comm)
+        with self._op_lock:
+            self.progress.waiting(op)
+            try:
+                pause = 5e-5
+                while True:
+                    try:
+                        if is_done():
+                            return
+                    except RuntimeError as exc:
+                        failure = self._failed(op, c, -1, f"the operation failed: {exc}")
+                        abandon()
+                        raise failure from exc
+                    if self.fail_fast and self.failure_pending():
+                        failure = self._failed(op, c, -1, f"failure notice: dead {sorted(self.watcher.dead_ranks)}")
+                        abandon()
+                        raise failure
+                    time.sleep(pause)
+                    pause = min(2 * pause, 2e-3)
+            finally:
+                self.progress.resume()
+
+    def _failed(self, op: str, comm: MPI.Comm, err_class: int, cause: str, detail: str | None = None
+                ) -> FailureDetected:
+        """Record why this rank leaves for the repair and revoke, so that no peer stays blocked; the error to raise."""
+        self._note_error()
+        self._revoke_all(comm)
+        self._set_cause(op, err_class, cause)
+        return FailureDetected(op, err_class, self.epoch, detail if detail is not None else cause)
 
     def _set_cause(self, op: str, err_class: int, detail: str) -> None:
         if self._cause is None:  # the first error of this failure is the one that explains it

@@ -154,6 +154,10 @@ class GradBuckets:
         """Names of the parameters in bucket ``i`` (in buffer order, i.e. reverse registration order)."""
         return list(self._bucket_params[i])
 
+    def view(self, i: int) -> torch.Tensor:
+        """Bucket ``i`` itself: a 1-D fp32 slice of the flat buffer (for a data plane that reduces in place)."""
+        return self._views[i]
+
     def bucket_views(self) -> list[torch.Tensor]:
         """1-D fp32 slices of the flat buffer, one per bucket (views, not copies)."""
         return list(self._views)

@@ -24,7 +24,7 @@ import torch.distributed as torch_dist
 from mpi4py import MPI
 
 from nanotron_recover.config import RecoverConfig
-from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent, ReplicaWorld
+from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent, ReplicaWorld, make_data_plane
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.phases import Phase
 from nanotron_recover.recovery.buckets import GradBuckets
@@ -137,6 +137,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
     # ------------------------------------------------------------------------------------------------- model
     def attach_model(self, model, named_params, device) -> AttachedModel:
         self.buckets = GradBuckets(named_params, self.config.fault_tolerance.reduce_bucket_mb, device=device)
+        self.data_plane = make_data_plane(self.config.fault_tolerance.data_plane, self.ft, device, self._timeout_s)
         return AttachedModel(model=model, unwrapped=model, named_params=named_params)
 
     def computes(self) -> bool:
@@ -224,15 +225,23 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         if computing:
             for i in range(self.buckets.num_buckets):
                 self.buckets.snapshot_bucket(i, step, self.ft.epoch)
-                self.ft.allreduce_sum_(self.buckets.to_host(i), "coord")
-                self.buckets.from_host(i)
+                self.data_plane.allreduce_sum_(self.buckets, i)
                 if i == 0:
                     services.fault_point(step, Phase.REDUCE)
+            self._log_plane_build(services, step)
         stats = self.step_stats.fill(work.loss_sum if (computing and self._reports_loss()) else 0.0, work,
                                      computing and self.local_rank == 0, self.roster.slot_of(self.replica),
                                      self.snapshots.cost_s if self.snapshots is not None else None,
                                      self._last_step_s)
         self.ft.allreduce_sum_(stats, "world")
+
+    def _log_plane_build(self, services: StepServices, step: int) -> None:
+        """A torch data plane built its coordinate's group in this attempt: how long that took (the logging rank's
+        coordinate), the cost a repair adds on that plane."""
+        built, self.data_plane.last_build = self.data_plane.last_build, None
+        if built is not None:
+            services.metrics.log_event({"event": "data_plane_group", "step": step, "backend": self.data_plane.backend,
+                                        **built})
 
     def _repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
         """Repair the world (``ReplicaEvicted`` on a rank of a failed replica, unless recycling keeps it in the

@@ -341,11 +341,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--relaunches", type=int, default=2)
     ap.add_argument("--recycle", choices=("shape", "on", "off"), default="shape",
                     help="fault_tolerance.recycle in every trial: each shape's own (default), or on / off everywhere")
+    ap.add_argument("--data-plane", choices=("default", "mpi", "torch"), default="default",
+                    help="fault_tolerance.data_plane in every trial and reference (default: the config's, auto)")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     shapes = tuple(SHAPES_BY_NAME[name] for name in args.shapes.split(","))
     if args.recycle != "shape":
         shapes = tuple(s.with_recycle(args.recycle == "on") for s in shapes)
+    if args.data_plane != "default":
+        shapes = tuple(s.with_data_plane(args.data_plane) for s in shapes)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
@@ -353,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle};"
+        f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle}; data plane {args.data_plane};"
         f" launch bound {args.launch_bound_s:g} s; out {out}",
         flush=True,
     )

@@ -38,10 +38,13 @@ class Shape:
     recycle: bool = False
     fsdp: int | None = None  # HSDP: the shard group size
     dtype: str = "float32"
+    data_plane: str | None = None  # fault_tolerance.data_plane (None: the default, auto)
 
     def config(self, inject: list[dict], snapshot_dir: str) -> dict:
         ft = {**copy.deepcopy(FAULT_TOLERANCE), "spare_replicas": self.spares, "recycle": self.recycle,
               "inject": inject, "local_snapshot_dir": snapshot_dir}
+        if self.data_plane is not None:
+            ft["data_plane"] = self.data_plane
         if self.fsdp is not None:
             ft.update(replica="fsdp", fsdp_shard_size=self.fsdp)
         config = make_config(dp=self.dp, tp=self.tp, pp=self.pp, accumulation=ACCUMULATION, steps=STEPS,
@@ -76,6 +79,10 @@ class Shape:
         if on == self.recycle:
             return self
         return dataclasses.replace(self, name=f"{self.name}{'+recycle' if on else '-recycle'}", recycle=on)
+
+    def with_data_plane(self, plane: str) -> Shape:
+        """This shape with its gradient bytes on ``plane`` (``mpi`` or ``torch``; the name says which)."""
+        return dataclasses.replace(self, name=f"{self.name}+{plane}", data_plane=plane)
 
     @property
     def nodes(self) -> list[int]:

@@ -67,3 +67,13 @@ def test_recycling_switched_on_everywhere_keeps_each_shape_and_names_it() -> Non
     trials = [draw_trial(seed, RECYCLING_ON) for seed in range(600)]
     forming = {t.shape.name for t in trials for s in t.inject if s.get("phase") == "forming"}
     assert forming and all(next(s for s in RECYCLING_ON if s.name == n).forms for n in forming)
+
+
+def test_the_torch_data_plane_reaches_every_trial_config_and_its_name() -> None:
+    torch_plane = tuple(s.with_data_plane("torch") for s in SHAPES)  # ``fault_campaign.py --data-plane torch``
+    assert [s.name for s in torch_plane] == [f"{s.name}+torch" for s in SHAPES]
+    for seed in range(0, 60, 5):
+        trial = draw_trial(seed, torch_plane)
+        config = config_from_dict(trial.shape.config(trial.inject, "/dev/shm/unused"))
+        assert config.fault_tolerance.data_plane == "torch"
+    assert config_from_dict(SHAPES[0].config([], "/dev/shm/unused")).fault_tolerance.data_plane == "auto"

@@ -42,8 +42,8 @@ def test_the_example_config_is_bf16_with_tied_embeddings_on_tp2_pp2():
     assert (config["parallelism"]["tp"], config["parallelism"]["pp"], config["parallelism"]["dp"]) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_example_config_trains_and_survives_a_kill(dtype, tmp_path):
+def test_the_example_config_trains_and_survives_a_kill(tmp_path):
+    dtype = "bfloat16"  # the example's own; float32 runs are the rest of the suite
     result = train(example(dtype=dtype), tmp_path)
     steps = example()["tokens"]["train_steps"]
     assert [s["step"] for s in result.steps] == list(range(1, steps + 1))

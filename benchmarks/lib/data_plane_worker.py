@@ -60,6 +60,7 @@ def main(sizes_mb: list[float], repeats: int, rebuilds: int) -> None:
     times = []
     for _ in range(rebuilds):
         torch_plane.close()  # what a repair does; the next reduction builds the new group
+        time.sleep(1.0)  # builds come seconds apart in training; back to back, TCPStore connects can take 5 s
         ft.barrier()
         t0 = time.perf_counter()
         torch_plane.allreduce_sum_(_OneBucket(1), 0)

@@ -57,7 +57,8 @@ def assert_survived(result: RunResult, reference: np.ndarray, *, m: int, failed_
     assert diff <= TOL, f"loss differs from the failure-free run by {diff:.2e}\n{tail}"
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "optimizer", "checkpoint", "dataload"])
+# backward: the same shape and kill in test_with_recycling_off_the_healthy_rank_of_a_broken_replica_leaves below
+@pytest.mark.parametrize("phase", ["forward", "reduce", "optimizer", "checkpoint", "dataload"])
 def test_three_replicas_tp2_survive_a_kill_in_each_phase(phase, tiny_config, tmp_path, tmp_path_factory):
     reference = reference_losses(tiny_config, tmp_path_factory, dp=3, tp=2)
     # replica 1 = world ranks 2, 3; its local rank 1 (world rank 3) dies

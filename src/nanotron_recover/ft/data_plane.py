@@ -183,7 +183,7 @@ class TorchDataPlane:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         del work
-        reaper = threading.Thread(target=_destroy, args=([group, store],), daemon=True, name="data-plane-close")
+        reaper = threading.Thread(target=_destroy, args=([group, store],), name="data-plane-close")
         del group, store
         reaper.start()
 
@@ -236,7 +236,7 @@ class _GroupBuild:
             self._abandoned = True
             made, self._made = self._made, []
         if made:
-            threading.Thread(target=_destroy, args=(made,), daemon=True, name="data-plane-close").start()
+            threading.Thread(target=_destroy, args=(made,), name="data-plane-close").start()
 
     @property
     def group(self) -> Any:
@@ -263,5 +263,7 @@ def _wait_until_ended(work: Any, limit_s: float) -> None:
 
 
 def _destroy(objects: list[Any]) -> None:
-    """The last references: the group's destructor joins its threads and closes its sockets (~0.4 s on gloo)."""
+    """The last references: the group's destructor joins its threads and closes its sockets (~0.4 s on gloo).
+    Run in a thread that is not a daemon: the interpreter joins it before exiting (a daemon thread stopped
+    inside the destructor at exit aborts the process: "terminate called without an active exception")."""
     objects.clear()

@@ -21,7 +21,6 @@ import torch
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.named_optimizer import NamedOptimizer
 from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
-from torch.distributed.tensor import DTensor
 
 from nanotron_recover import devices
 from nanotron_recover.checkpoint import CheckpointManager
@@ -35,6 +34,7 @@ from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
 from nanotron_recover.phases import Phase
 from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
+from nanotron_recover.training_state import is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class RecoverTrainer:
         if not local_params:
             return
         self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at(Phase.FORWARD) or self._slow_microbatch())
-        if isinstance(local_params[0], DTensor):
+        if is_dtensor(local_params[0]):
             # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
             # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
             middle = local_params[len(local_params) // 2]

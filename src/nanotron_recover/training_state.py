@@ -9,10 +9,10 @@ no project imports: checkpoint readers, the memory census and the recovery layer
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterator, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 class TrainingState(Protocol):
@@ -33,9 +33,16 @@ def fp32_accumulator(state: TrainingState) -> Any:
     return getattr(state.optimizer, "gradient_accumulator", None)
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``DTensor``, without importing ``torch.distributed.tensor`` (~0.7 s per process, which
+    every rank of every job would pay at start-up): a DTensor exists only once that module was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local shard of a ``DTensor`` (a view, no copy), else ``t`` itself."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         with torch.no_grad():
             return t.to_local()
     return t

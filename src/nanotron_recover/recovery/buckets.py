@@ -42,10 +42,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from nanotron_recover.devices import needs_host_staging
-from nanotron_recover.training_state import local_tensor
+from nanotron_recover.training_state import is_dtensor, local_tensor
 
 _FP32_BYTES = 4
 
@@ -171,7 +170,7 @@ class GradBuckets:
                     view.copy_(local_tensor(p.grad))
                 p.grad = _as_grad_of(p, view)
             else:
-                if isinstance(p, DTensor):
+                if is_dtensor(p):
                     raise ValueError("sharded (DTensor) parameters must be fp32")
                 if p.grad is not None:
                     view.add_(p.grad)
@@ -337,7 +336,9 @@ def _trainable_params(
 def _as_grad_of(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """``view`` in the form ``p.grad`` must take: a ``DTensor`` with ``p``'s mesh and placements for a sharded
     parameter (its local tensor *is* the view), the plain view otherwise."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     return view
 

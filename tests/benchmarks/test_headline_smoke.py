@@ -35,7 +35,9 @@ def test_headline_minimal(tmp_path):
     throughput, tokens_ratio, overhead = (float(v) for v in m.groups())
     assert math.isfinite(throughput) and throughput > 0, last
     assert math.isfinite(overhead) and overhead > 0, last
-    # inf is a legitimate measurement here: ReCoVer may finish before checkpoint-restart commits its first step
-    assert tokens_ratio > 0 and not math.isnan(tokens_ratio), last
+    # at this size (steps of milliseconds) the ratio measures process start-up only: inf when ReCoVer finished before
+    # checkpoint-restart committed its first step, 0 when the load delayed ReCoVer's first step past the point
+    # compared (seen once with a second test session on the same 2 cores); both are measurements, NaN is not
+    assert tokens_ratio >= 0 and not math.isnan(tokens_ratio), last
     for name in ("headline.json", "headline.md", "headline.png"):
         assert (tmp_path / "headline" / name).is_file()

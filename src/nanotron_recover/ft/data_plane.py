@@ -173,8 +173,7 @@ class TorchDataPlane:
         collectives fail at once). Idempotent; run on every survivor before a repair."""
         group, work, store = self._group, self._work, self._store
         self._group = self._work = self._store = self._mirrors = None
-        if group is None:
-            del store
+        if group is None:  # never built, or a coordinate that reduces on MPI (its store is None too)
             return
         if self.backend == "nccl":
             group.abort()

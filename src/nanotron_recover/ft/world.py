@@ -548,12 +548,12 @@ class FTWorld:
                     try:
                         if is_done():
                             return
+                        cause = (f"failure notice: dead {sorted(self.watcher.dead_ranks)}"
+                                 if self.fail_fast and self.failure_pending() else None)
                     except RuntimeError as exc:
-                        failure = self._failed(op, c, -1, f"the operation failed: {exc}")
-                        abandon()
-                        raise failure from exc
-                    if self.fail_fast and self.failure_pending():
-                        failure = self._failed(op, c, -1, f"failure notice: dead {sorted(self.watcher.dead_ranks)}")
+                        cause = f"the operation failed: {exc}"
+                    if cause is not None:
+                        failure = self._failed(op, c, -1, cause)
                         abandon()
                         raise failure
                     time.sleep(pause)

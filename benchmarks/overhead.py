@@ -13,8 +13,9 @@ Defaults: the headline's model and layout (8 replicas, M = 24, hidden 128, 4 lay
 per path. Example at a smaller size:
   .venv/bin/python benchmarks/overhead.py --dp 4 --accumulation 2 --steps 20 --repeats 2 --hidden 64 --layers 2
 
-``--breakdown`` adds ReCoVer runs with one protection switched off each (node-local snapshots, the hang monitor)
-and with both off, in the same interleaving: a mechanism's share of the step is (all on - without it) / all on.
+``--breakdown`` adds ReCoVer runs with one protection switched off each (node-local snapshots, the hang monitor),
+with both off, and with the collectives waiting inside MPI (``mpi_wait: block``) instead of asleep, in the same
+interleaving: a mechanism's share of the step is (all on - without it) / all on.
 What stays in every ReCoVer run is the data path itself (per-bucket snapshots for in-step recovery, the ULFM
 reduction and the per-step agreements). The last line is ``overhead=<ratio>`` (everything on vs stock) either way.
 """
@@ -101,12 +102,15 @@ PATHS: dict[str, dict | None] = {
     "recover-no-snapshots": {"enabled": True, "local_snapshot_interval": 0},
     "recover-no-hang-monitor": {"enabled": True, "hang_monitor": False},
     "recover-bare": {"enabled": True, "local_snapshot_interval": 0, "hang_monitor": False},
+    "recover-waiting-in-mpi": {"enabled": True, "mpi_wait": "block"},
 }
 # a mechanism's cost: (the variant with it - the variant without it), as a share of the everything-on step
 MECHANISMS = {"node-local snapshots": ("recover", "recover-no-snapshots"),
               "hang monitor": ("recover", "recover-no-hang-monitor"),
               "both": ("recover", "recover-bare"),
-              "the data path (bare ReCoVer vs stock)": ("recover-bare", "stock")}
+              "the data path (bare ReCoVer vs stock)": ("recover-bare", "stock"),
+              # negative: what waiting asleep (mpi_wait: poll, auto's choice on this oversubscribed node) saves
+              "waiting asleep instead of inside MPI": ("recover", "recover-waiting-in-mpi")}
 
 
 def summarise(per_run: dict[str, list[dict]]) -> tuple[dict[str, float], dict[str, float], list[float]]:

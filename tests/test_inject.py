@@ -104,6 +104,15 @@ def test_slowdown_really_takes_factor_times_as_long_per_microbatch() -> None:
     assert 1.5 < _timed_call(fresh, 1, 4, 0.01) / before < 2.8  # no time known yet: the sleep at the call's end
 
 
+def test_slowdown_sleeps_after_the_fastest_call_not_a_contended_one() -> None:
+    slowdown = FailureInjector([{"step": 3, "replica": 0, "signal": "slow", "factor": 3}], 0, 0).slowdown
+    _timed_call(slowdown, 1, 4, 0.01)
+    _timed_call(slowdown, 2, 4, 0.04)  # the host was busy: 4x slower for a call
+    assert slowdown.per_microbatch_s == pytest.approx(0.01, rel=0.5)
+    slowed = _timed_call(slowdown, 3, 4, 0.01)
+    assert slowed < 4 * (0.01 + 2 * 0.02)  # 2 x 0.01 of sleep per microbatch, not 2 x 0.04
+
+
 @pytest.mark.parametrize("bad", [
     {"step": 1, "replica": 0, "signal": "slow"},
     {"step": 1, "replica": 0, "signal": "slow", "factor": 1},

@@ -25,6 +25,7 @@ REPLICA_3D = "3d"
 REPLICA_FSDP = "fsdp"
 REPLICA_KINDS = (REPLICA_3D, REPLICA_FSDP)
 DATA_PLANES = ("auto", "mpi", "torch")
+MPI_WAITS = ("auto", "block", "poll")
 
 
 class ConfigError(ValueError):
@@ -101,6 +102,10 @@ class FaultToleranceArgs:
             on the device buffers), rebuilt after every repair; ULFM still detects, agrees and commits
             (:mod:`nanotron_recover.ft.data_plane`). ``auto`` (default): ``mpi`` on CPU, ``torch`` on GPU
             (docs/data-plane.md says why).
+        mpi_wait: how a rank waits for its peers in a cross-replica MPI collective. ``block``: inside MPI (Open
+            MPI polls, the fastest with a core per rank). ``poll``: asleep until every peer has arrived, so that a
+            waiting rank leaves the CPU to the ranks it waits for. ``auto`` (default): ``poll`` when the node holds
+            more ranks than cores, else ``block`` (:mod:`nanotron_recover.ft.waiting`).
     """
 
     enabled: bool = True
@@ -129,6 +134,7 @@ class FaultToleranceArgs:
     straggler_factor: Optional[float] = None
     straggler_steps: int = 10
     data_plane: str = "auto"
+    mpi_wait: str = "auto"
 
 
 @dataclass
@@ -300,6 +306,8 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be > 0 (or null: half the free space), got {ft.local_snapshot_max_gb}")
     _check(ft.data_plane in DATA_PLANES, "fault_tolerance.data_plane",
            f"must be one of {', '.join(DATA_PLANES)}, got {ft.data_plane!r}")
+    _check(ft.mpi_wait in MPI_WAITS, "fault_tolerance.mpi_wait",
+           f"must be one of {', '.join(MPI_WAITS)}, got {ft.mpi_wait!r}")
     _validate_replica_kind(config)
     _validate_rebalance(config)
     if ft.recycle is None:

@@ -189,7 +189,9 @@ class FailureInjector:
 
 class Slowdown:
     """``signal: slow`` entries for this rank, made real: from an entry's step on, each microbatch sleeps
-    ``factor - 1`` times this rank's own time per microbatch (measured without the sleeps, last compute call).
+    ``factor - 1`` times this rank's own time per microbatch (measured without the sleeps: the fastest compute call
+    so far, the way a device has one speed; the last call's time would pass on the host's contention, amplified by
+    the factor, which on a shared machine made equal ranks look 1.7x apart).
 
     The trainer calls :meth:`begin` and :meth:`end` around each compute call and :meth:`microbatch` at each
     microbatch's forward (inside the computation, so that replica-mates wait for this rank in their collectives).
@@ -231,4 +233,5 @@ class Slowdown:
         if factor > 1 and self.per_microbatch_s is None:
             self._sleep(step, (factor - 1) * natural)
         if microbatches > 0 and natural > 0:
-            self.per_microbatch_s = natural / microbatches
+            per_microbatch = natural / microbatches
+            self.per_microbatch_s = min(self.per_microbatch_s or per_microbatch, per_microbatch)

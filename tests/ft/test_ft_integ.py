@@ -51,10 +51,17 @@ def test_no_failure_finalizes_cleanly(tmp_path: Path) -> None:
     assert run.output.count("DONE") == 4
 
 
-def test_one_rank_dies_mid_reduce(tmp_path: Path) -> None:
-    """3 replicas x 2: replica 1's local rank 1 dies after its first bucket; replicas 0 and 2 carry on."""
-    run = run_worker(6, {"ranks_per_replica": 2, "steps": STEPS, "schedule": [kill(2, 1, 1, "reduce")]}, tmp_path)
+@pytest.mark.parametrize("mpi_wait", ["block", "poll", "mixed"])
+def test_one_rank_dies_mid_reduce(tmp_path: Path, mpi_wait: str) -> None:
+    """3 replicas x 2: replica 1's local rank 1 dies after its first bucket; replicas 0 and 2 carry on. Either way
+    of waiting for the peers (inside MPI, or asleep on an Ibarrier / Iagree) notices the death the same way.
+    ``mixed``: one rank asks to poll and the others to block (nodes of different sizes): every rank polls, or
+    the Ibarriers before each collective would meet other collectives."""
+    wanted = ["poll"] + ["block"] * 5 if mpi_wait == "mixed" else mpi_wait
+    run = run_worker(6, {"ranks_per_replica": 2, "steps": STEPS, "schedule": [kill(2, 1, 1, "reduce")],
+                         "mpi_wait": wanted}, tmp_path)
     assert_survivors(run, [0, 2], 2, dead={3}, evicted={2})
+    assert {d["mpi_wait"] for d in run.results.values()} == {"block" if mpi_wait == "block" else "poll"}
     assert run.results[0]["epoch"] == 1
     assert all(d["failures"] and d["failures"][0]["step"] == 2 for d in run.by_status("done").values())
 

@@ -60,7 +60,10 @@ def main() -> None:
         result["evicted_reason"] = str(exc)
         write("evicted_by_watcher")
 
-    world = FTWorld(MPI.COMM_WORLD, rpr, cfg.get("active"), on_evict=on_evict)
+    wait = cfg.get("mpi_wait", "auto")  # a list: each rank's own setting, as on nodes of different sizes
+    wait = wait[MPI.COMM_WORLD.Get_rank()] if isinstance(wait, list) else wait
+    world = FTWorld(MPI.COMM_WORLD, rpr, cfg.get("active"), on_evict=on_evict, mpi_wait=wait)
+    result["mpi_wait"] = world.mpi_wait
     result.update(rank=world.rank, replica=world.replica, local=world.local_rank)
     inj = FailureInjector(cfg.get("schedule", []), world.replica, world.local_rank, run_dir=outdir)
     stuck = {(s["step"], s["replica"], s["rank"]) for s in cfg.get("stuck", [])}

@@ -25,6 +25,7 @@ from .hang import HangMonitor
 from .hang_policy import HangPolicy, MainThreadProgress
 from .layout import ReplicaAssignment, ReplicaLayout, split_coord_comm, try_revoke
 from .repair import HEALTHY_BIT, run_repair
+from .waiting import WATCHER_POLL_S, agree_asleep, resolve_mpi_wait, wait_asleep
 from .watcher import FailureWatcher
 
 CommName = Literal["coord", "world"]
@@ -62,6 +63,9 @@ class FTWorld:
         notice_timeout_s: the longest a death may take to be noticed (the launcher's failure-detector timeout).
         recycle: the alive ranks of a failed replica stay in the world as the *pool* (no replica) instead of
             leaving; :meth:`form_replica` makes a new replica of them (``fault_tolerance.recycle``).
+        mpi_wait: this rank's wish for how collectives wait for the peers (``fault_tolerance.mpi_wait``): ``block``
+            inside MPI, ``poll`` asleep, ``auto`` poll on an oversubscribed node (:mod:`.waiting`). The world polls
+            if any rank wishes so (:attr:`mpi_wait` is the mode agreed at start-up).
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class FTWorld:
         on_startup_failure: Callable[[frozenset[int]], None] | None = None,
         notice_timeout_s: float = DETECTOR_HEARTBEAT_TIMEOUT_S,
         recycle: bool = False,
+        mpi_wait: str = "auto",
     ) -> None:
         self.layout = ReplicaLayout(comm.Get_size(), ranks_per_replica)  # the original grid (the hang monitor's)
         self.assignment = ReplicaAssignment(self.layout)  # who holds which replica and coordinate now
@@ -105,10 +110,7 @@ class FTWorld:
         self.coord_comm: MPI.Comm | None = split_coord_comm(
             self.world_comm, self.layout, self.rank, self.active_replicas
         )
-        # who runs where: a hung rank can only be killed by a process on its own host
-        placement = self.world_comm.allgather((node_id(), os.getpid()))
-        self.hosts: list[str] = [host for host, _ in placement]
-        self.pids: list[int] = [pid for _, pid in placement]
+        self.hosts, self.pids, self.mpi_wait = self._placement(resolve_mpi_wait(mpi_wait))
 
         # Held by whichever thread is inside MPI on world/coord comms (a guarded collective or a repair), so the
         # watcher never runs a repair concurrently with a main-thread collective on the same communicator.
@@ -121,9 +123,19 @@ class FTWorld:
         # Test seam: called inside the repair protocol as hook(point, attempt); used to SIGKILL a rank mid-repair.
         self.repair_hook: Callable[[str, int], None] | None = None
         self.before_repair: list[Callable[[], None]] = []  # run by every survivor as it enters a repair
-        self.watcher: FailureWatcher | None = FailureWatcher(comm, self._on_notice).start() if watch else None
+        self.watcher: FailureWatcher | None = None
+        if watch:
+            self.watcher = FailureWatcher(comm, self._on_notice, WATCHER_POLL_S[self.mpi_wait]).start()
 
     # --------------------------------------------------------------- start-up
+    def _placement(self, my_wait: str) -> tuple[list[str], list[int], str]:
+        """Who runs where (every rank's node and pid: a hung rank can only be killed by a process on its host), and
+        how every rank waits: ``poll`` if any rank's node wants it. The choice must be the same world-wide (in
+        ``poll`` mode every collective is preceded by an ``Ibarrier``), and nodes may differ in cores per rank."""
+        placement = self.world_comm.allgather((node_id(), os.getpid(), my_wait))
+        mode = "poll" if any(wait == "poll" for _, _, wait in placement) else "block"
+        return [host for host, _, _ in placement], [pid for _, pid, _ in placement], mode
+
     def complete_startup(self) -> None:
         """Collective: every rank is ready to train. Raises FailureDetected if a rank died during start-up.
 
@@ -215,6 +227,7 @@ class FTWorld:
         self._check_buffer(buf)
         c = self._comm(comm)
         with self._guard(f"allreduce({comm})", c):
+            self._arrive(c)
             c.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return buf
 
@@ -227,6 +240,7 @@ class FTWorld:
         else:
             root = self.live_ranks.index(self.assignment.world_rank(root_replica, 0))
         with self._guard(f"bcast({comm})", c):
+            self._arrive(c)
             c.Bcast(buf, root=root)
         return buf
 
@@ -234,12 +248,14 @@ class FTWorld:
         """Every member's ``obj`` (picklable, small) over my coordinate, in coordinate-communicator rank order."""
         c = self._comm("coord")
         with self._guard("allgather(coord)", c):
+            self._arrive(c)
             return c.allgather(obj)
 
     def allgather_object(self, obj):
         """Every live rank's ``obj`` (picklable, small), in live-rank order."""
         c = self._comm("world")
         with self._guard("allgather", c):
+            self._arrive(c)
             return c.allgather(obj)
 
     def exchange_bytes(self, sends: dict[int, bytes], recv_from: int | None, recv_size: int = 0) -> bytearray | None:
@@ -258,7 +274,10 @@ class FTWorld:
     def barrier(self) -> None:
         c = self._comm("world")
         with self._guard("barrier", c):
-            c.Barrier()
+            if self.mpi_wait == "poll":
+                wait_asleep(c.Ibarrier())
+            else:
+                c.Barrier()
 
     def agree(self, flag: bool = True, epoch: int | None = None) -> bool:
         """The commit point: uniform AND of ``flag`` over all live ranks.
@@ -278,7 +297,8 @@ class FTWorld:
                 if epoch is not None and self.epoch != epoch:
                     repaired_meanwhile = True
                 else:
-                    result = c.Agree(HEALTHY_BIT | (1 if flag else 0))
+                    value = HEALTHY_BIT | (1 if flag else 0)
+                    result = agree_asleep(c, value) if self.mpi_wait == "poll" else c.Agree(value)
         except FailureDetected:
             self._commit_agree_failed = True
             raise
@@ -531,6 +551,11 @@ class FTWorld:
                 raise self._failed(op, comm, error_class(exc), str(exc)) from exc
             finally:
                 self.progress.resume()
+
+    def _arrive(self, comm: MPI.Comm) -> None:
+        """In ``poll`` mode: sleep until every member of ``comm`` has reached this collective (see :mod:`.waiting`)."""
+        if self.mpi_wait == "poll":
+            wait_asleep(comm.Ibarrier())
 
     def wait_outside_mpi(self, op: str, is_done: Callable[[], bool], abandon: Callable[[], None],
                          comm: CommName = "coord") -> None:

@@ -79,11 +79,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self._timeout_s = timeout_s
         world = MPI.COMM_WORLD if ft is None else None
         if world is not None and world.Get_size() != config.world_size:
-            raise SystemExit(
-                f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs {config.world_size} "
-                f"((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x {config.ranks_per_replica} "
-                "ranks per replica)"
-            )
+            raise SystemExit(f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs "
+                             f"{config.world_size} ((dp={par.dp} + spare_replicas={ft_args.spare_replicas}) x "
+                             f"{config.ranks_per_replica} ranks per replica)")
         rpr = config.ranks_per_replica
         self.replica, self.local_rank = divmod(world.Get_rank() if world is not None else ft.rank, rpr)
         self.loss_divisor = self.M  # every microbatch's loss / M: the reduced gradient is the step's mean
@@ -97,14 +95,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
         self.hang_policy = HangPolicy(fixed_timeout_s=ft_args.hang_timeout_s, io_allowance_s=ft_args.startup_timeout_s)
         if ft is None:
-            ft = FTWorld(world, rpr, active_replicas=active, on_evict=self._on_evict,
-                         on_startup_failure=self._on_startup_failure, recycle=self.recycle)
-            replica_comm = ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
-            init_replica_torch_world(replica_comm, timeout_s)
-            replica_comm.Free()
-            parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
-        self.ft = ft
-        self.parallel_context = parallel_context
+            ft, parallel_context = self._start_worlds(world, active, timeout_s)
+        self.ft, self.parallel_context = ft, parallel_context
         self.pool = RankPool(rpr, hosts=getattr(ft, "hosts", None))  # recycled survivors (recycle: true)
         self._applied = len(ft.events)  # repair events already applied to the roster and the pool
         self._pool_before: list[int] = []
@@ -121,6 +113,16 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self.snapshot_schedule = SnapshotSchedule.of(ft_args.local_snapshot_interval,
                                                      ft_args.local_snapshot_max_interval, ft_args.relaunch_mtbf_h)
         self._last_step_s: float | None = None
+
+    def _start_worlds(self, world: MPI.Comm, active: list[int], timeout_s: float) -> tuple[FTWorld, object]:
+        """The FT world over every rank, then this replica's torch world and its nanotron groups."""
+        ft = FTWorld(world, self.config.ranks_per_replica, active_replicas=active, on_evict=self._on_evict,
+                     on_startup_failure=self._on_startup_failure, recycle=self.recycle,
+                     mpi_wait=self.config.fault_tolerance.mpi_wait)
+        replica_comm = ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
+        init_replica_torch_world(replica_comm, timeout_s)
+        replica_comm.Free()
+        return ft, self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
 
     def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
         """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""

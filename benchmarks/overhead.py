@@ -23,6 +23,7 @@ reduction and the per-step agreements). The last line is ``overhead=<ratio>`` (e
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -57,13 +58,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     order = interleaved(list(paths), args.repeats)
     per_run: dict[str, list[dict]] = {name: [] for name in paths}
     for k, name in enumerate(order):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         a = launch(config(paths[name]), out / f"{k:02d}_{name}", timeout_s=args.timeout_s)
+        usage = job_usage(before, resource.getrusage(resource.RUSAGE_CHILDREN))
         times = normal_step_times(a.steps)
         if not a.steps or a.steps[-1]["step"] < args.steps:
             raise RuntimeError(f"{name} run {k} stopped early:\n{(Path(a.run_dir) / 'output.log').read_text()[-3000:]}")
         per_run[name].append({"median_step_s": median(times), "mean_step_s": sum(times) / len(times),
                               "n_steps": len(times), "load_avg_1min": a.load_avg_1min,
-                              "wall_s": a.end_t - a.launch_t, "step_times": [s["step_time_s"] for s in a.steps]})
+                              "wall_s": a.end_t - a.launch_t, "step_times": [s["step_time_s"] for s in a.steps],
+                              **usage})
         print(f"[overhead] run {k + 1}/{len(order)} {name}: median step {median(times) * 1000:.2f} ms "
               f"(load {a.load_avg_1min:.1f})", flush=True)
     med, mean, rounds = summarise(per_run)
@@ -78,11 +82,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     write_json(out / "overhead.json", data)
     data["shares"] = shares(med)
     rows = [[n, len(per_run[n]), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in per_run[n]), med[n] * 1000,
-             f"{med[n] / med['stock']:.3f}", mean[n] * 1000, f"{mean[n] / mean['stock']:.3f}"] for n in paths]
+             f"{med[n] / med['stock']:.3f}", mean[n] * 1000, f"{mean[n] / mean['stock']:.3f}",
+             f"{median(r['involuntary_switches'] for r in per_run[n]) / 1e3:.0f}",
+             f"{median(r['cpu_sys_s'] for r in per_run[n]):.1f}"] for n in paths]
     md = "\n".join([
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
         md_table(["path", "runs", "per-run median step (ms)", "median (ms)", "/ stock", "mean step (ms)",
-                  "mean / stock"], rows), "",
+                  "mean / stock", "involuntary context switches (thousands, whole job)", "system CPU (s)"], rows),
+        "",
         f"ratio ReCoVer / stock = {ratio:.3f} (medians), {mean_ratio:.3f} (means: every step counted), "
         f"{pairwise:.3f} (median of the rounds' own ratios: {', '.join(f'{x:.3f}' for x in rounds)})",
         *[f"share of the ReCoVer step: {name} {share * 100:+.1f}%" for name, share in data["shares"].items()],
@@ -111,6 +118,13 @@ MECHANISMS = {"node-local snapshots": ("recover", "recover-no-snapshots"),
               "the data path (bare ReCoVer vs stock)": ("recover-bare", "stock"),
               # negative: what waiting asleep (mpi_wait: poll, auto's choice on this oversubscribed node) saves
               "waiting asleep instead of inside MPI": ("recover", "recover-waiting-in-mpi")}
+
+
+def job_usage(before: resource.struct_rusage, after: resource.struct_rusage) -> dict[str, float]:
+    """What one job (the launcher, mpirun and every rank: waited-for descendants) cost the machine: involuntary
+    context switches (a rank taken off a core it wanted) and CPU seconds."""
+    return {"involuntary_switches": after.ru_nivcsw - before.ru_nivcsw,
+            "cpu_user_s": after.ru_utime - before.ru_utime, "cpu_sys_s": after.ru_stime - before.ru_stime}
 
 
 def summarise(per_run: dict[str, list[dict]]) -> tuple[dict[str, float], dict[str, float], list[float]]:

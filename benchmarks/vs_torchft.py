@@ -27,7 +27,8 @@ as in the config. Experiments:
    the k-th kill at k*T after the first committed step, the victim drawn from ``--seed`` among the live
    replicas: the same times and draws for both systems); ReCoVer as its user would run it on the same R
    processes (no spares, ``min_replicas`` 1, relaunched by a restart loop when no replica is left, resuming
-   from the node-local snapshot), torchft with its restarts; and the useful samples each trained.
+   from the node-local snapshot; ``relaunch_mtbf_h`` set to R x T, the time between relaunches it faces, from which
+   the snapshot interval follows), torchft with its restarts; and the useful samples each trained.
 
 Prints the report and, last, one line:
   recover_vs_torchft_time_to_N=<x> recover_vs_torchft_overhead=<y> recover_max_dloss=<a> torchft_max_dloss=<b>
@@ -118,14 +119,20 @@ def base_config(args: argparse.Namespace, data: Path, steps: int, ft: dict | Non
     return cfg
 
 
-def recover_ft(spares: int = 0) -> dict[str, Any]:
-    return {"enabled": True, "min_replicas": 1, "spare_replicas": spares}
+def recover_ft(spares: int = 0, relaunch_every_s: float | None = None) -> dict[str, Any]:
+    """ReCoVer's settings; ``relaunch_every_s``: the time between faults that end the job, as a user who knows
+    their failure rate would give it (``relaunch_mtbf_h``: the node-local snapshot interval follows from it)."""
+    ft: dict[str, Any] = {"enabled": True, "min_replicas": 1, "spare_replicas": spares}
+    if relaunch_every_s is not None:
+        ft["relaunch_mtbf_h"] = relaunch_every_s / 3600
+    return ft
 
 
 # ------------------------------------------------------------------------------------------------ running
 def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps: int, faults: list[Fault],
-               relaunch: bool = False) -> SystemRun:
-    """One run of system ``kind`` (see the module doc) for ``steps`` steps with ``faults`` sent from outside."""
+               relaunch_every_s: float | None = None) -> SystemRun:
+    """One run of system ``kind`` (see the module doc) for ``steps`` steps with ``faults`` sent from outside;
+    ``relaunch_every_s``: ReCoVer is relaunched when it exits 3, and expects that every this many seconds."""
     from benchmarks.lib.recover_runner import run_recover
     from benchmarks.lib.torchft_runner import run_ddp, run_torchft
 
@@ -136,8 +143,9 @@ def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps
     if kind in ("torchft", "torchft-mar"):
         return run_torchft(spec, out, R, faults, bound, grad_sync="ddp" if kind == "torchft" else "manager",
                            name=kind)
-    ft = {"stock": None, "recover": recover_ft(), "recover+spare": recover_ft(1)}[kind]
-    return run_recover(kind, base_config(args, data, steps, ft), out, faults, bound, relaunch=relaunch)
+    ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s), "recover+spare": recover_ft(1)}[kind]
+    return run_recover(kind, base_config(args, data, steps, ft), out, faults, bound,
+                       relaunch=relaunch_every_s is not None)
 
 
 def failure_free(args: argparse.Namespace, data: Path, out: Path, systems: list[str]) -> dict[str, list[SystemRun]]:
@@ -175,8 +183,9 @@ def clockwork(args: argparse.Namespace, data: Path, out: Path) -> dict[float, di
         faults = clockwork_faults(args.seed, T, horizon_s=100 * T)[:args.clockwork_max_kills]
         runs[T] = {}
         for kind in ("recover", "torchft-mar"):
+            # R replicas, no spare: every R-th kill takes the last replica and costs a relaunch
             run = run_system(kind, args, data, out / f"clockwork_T{T:g}_{kind}", N, copy.deepcopy(faults),
-                             relaunch=True)
+                             relaunch_every_s=args.replicas * T)
             _check_complete(run, N)
             runs[T][kind] = run
             c = clockwork_numbers(run, N, args.micro_batch, M_of(args))

@@ -220,6 +220,7 @@ def test_rebalancing_is_off_by_default_and_its_knobs_parse():
     ft = config_from_dict(with_ft(rebalance=True, replica_weights=[1, 0.5], rebalance_smoothing=0.5,
                                   rebalance_hysteresis=0, straggler_factor=3, straggler_steps=4)).fault_tolerance
     assert ft.rebalance and ft.replica_weights == [1, 0.5] and ft.straggler_factor == 3 and ft.straggler_steps == 4
+    assert ft.straggler_action == "drain"
     slow = [{"step": 2, "replica": 0, "signal": "slow", "factor": 2}, {"step": 2, "replica": 1, "signal": "slow",
                                                                         "factor": 4}]
     assert config_from_dict(with_ft(inject=slow)).fault_tolerance.inject[1].factor == 4  # slowing kills nobody
@@ -234,6 +235,8 @@ def test_rebalancing_is_off_by_default_and_its_knobs_parse():
         ({"rebalance_hysteresis": -0.1}, "fault_tolerance.rebalance_hysteresis"),
         ({"straggler_factor": 1.0}, "fault_tolerance.straggler_factor"),
         ({"straggler_steps": 0}, "fault_tolerance.straggler_steps"),
+        ({"straggler_factor": 2.0, "straggler_action": "kill"}, "fault_tolerance.straggler_action"),
+        ({"straggler_action": "evict"}, "fault_tolerance.straggler_action"),  # nothing would make a straggler
         ({"replica_weights": [1.0]}, "fault_tolerance.replica_weights"),  # dp = 2 entries needed
         ({"replica_weights": [1.0, 0.0]}, "fault_tolerance.replica_weights"),
         ({"replica_weights": [1.0, 1.0], "spare_replicas": 1}, "fault_tolerance.replica_weights"),  # spares too

@@ -26,6 +26,7 @@ REPLICA_FSDP = "fsdp"
 REPLICA_KINDS = (REPLICA_3D, REPLICA_FSDP)
 DATA_PLANES = ("auto", "mpi", "torch")
 MPI_WAITS = ("auto", "block", "poll")
+STRAGGLER_ACTIONS = ("drain", "evict")
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,9 @@ class FaultToleranceArgs:
         straggler_factor: a replica slower than this factor x the median replica for ``straggler_steps``
             consecutive steps is drained (quota 0 for the rest of the run). Null (default): never drained.
         straggler_steps: how many consecutive slow steps make a replica a persistent straggler.
+        straggler_action: what happens to a persistent straggler. ``drain`` (default): quota 0, it stays in its slot.
+            ``evict``: it leaves the job as a failed replica would and an idle spare (configured, or formed by
+            recycling) takes its slot at full speed; drained as before while no spare is idle.
         data_plane: what carries the cross-replica gradient bytes. ``mpi``: the ULFM communicators themselves
             (host-staged on GPU). ``torch``: a torch process group per coordinate (gloo on CPU, NCCL on GPU, in place
             on the device buffers), rebuilt after every repair; ULFM still detects, agrees and commits
@@ -133,6 +137,7 @@ class FaultToleranceArgs:
     rebalance_hysteresis: float = 0.1
     straggler_factor: Optional[float] = None
     straggler_steps: int = 10
+    straggler_action: str = "drain"
     data_plane: str = "auto"
     mpi_wait: str = "auto"
 
@@ -329,6 +334,10 @@ def _validate_rebalance(config: RecoverConfig) -> None:
            "fault_tolerance.straggler_factor",
            f"must be > 1 (slower than this factor x the median replica), or null: off; got {ft.straggler_factor}")
     _check(ft.straggler_steps >= 1, "fault_tolerance.straggler_steps", f"must be >= 1, got {ft.straggler_steps}")
+    _check(ft.straggler_action in STRAGGLER_ACTIONS, "fault_tolerance.straggler_action",
+           f"must be one of {', '.join(STRAGGLER_ACTIONS)}, got {ft.straggler_action!r}")
+    _check(ft.straggler_action == "drain" or ft.straggler_factor is not None, "fault_tolerance.straggler_action",
+           "evict needs fault_tolerance.straggler_factor (what makes a replica a persistent straggler)")
     if ft.replica_weights is not None:
         weights = ft.replica_weights
         _check(len(weights) == n_replicas, "fault_tolerance.replica_weights",

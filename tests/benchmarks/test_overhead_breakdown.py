@@ -1,8 +1,12 @@
 """benchmarks/overhead.py's breakdown: the interleaving of its variants and each mechanism's share of the step."""
 
+import resource
+import subprocess
+import sys
+
 import pytest
 
-from benchmarks.overhead import PATHS, interleaved, shares, summarise
+from benchmarks.overhead import PATHS, interleaved, job_usage, shares, summarise
 from nanotron_recover.config import config_from_dict
 from tests.conftest import make_tiny_config
 
@@ -38,3 +42,11 @@ def test_medians_means_and_each_rounds_own_ratio() -> None:
     med, mean, rounds = summarise(per_run)
     assert med == {"stock": 0.8, "recover": 0.8} and mean == {"stock": 0.8, "recover": 0.9}
     assert rounds == pytest.approx([1.1, 1.2, 1.0])  # the drift from 1.0 to 0.5 s cancels within each round
+
+
+def test_a_jobs_usage_is_what_its_waited_for_processes_added() -> None:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", "sum(range(5_000_000))"], check=True)
+    usage = job_usage(before, resource.getrusage(resource.RUSAGE_CHILDREN))
+    assert usage["cpu_user_s"] > 0.01 and usage["cpu_sys_s"] >= 0 and usage["involuntary_switches"] >= 0
+    assert job_usage(before, before) == {"involuntary_switches": 0, "cpu_user_s": 0.0, "cpu_sys_s": 0.0}

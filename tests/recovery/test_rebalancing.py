@@ -9,9 +9,11 @@ slot's history, draining, and that with rebalancing off the plan is exactly the 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from nanotron_recover.config import config_from_dict
+from nanotron_recover.recovery.errors import StragglerEvicted
 from nanotron_recover.recovery.rebalancing import SNAPSHOT_ENTRIES
 from nanotron_recover.recovery.resilient import ResilientDataParallel
 from nanotron_recover.strategy import LocalWork
@@ -100,6 +102,34 @@ def test_a_persistent_straggler_is_drained_and_logged() -> None:
         result = step(strategy, world, training, s, {1: (2, SECONDS), 2: (2, 4 * SECONDS)})
     assert result.balance["drained"] == [2]
     assert step(strategy, world, training, 4, {1: (3, SECONDS)}).quotas == {0: 3, 1: 3, 2: 0}
+
+
+@pytest.mark.parametrize("spares", [0, 1])
+def test_a_persistent_straggler_is_evicted_only_when_an_idle_spare_can_take_its_slot(spares: int) -> None:
+    strategy, world, training = make(dp=3, spares=spares, straggler_factor=2.0, straggler_steps=2,
+                                     straggler_action="evict")
+    for s in (1, 2, 3):
+        result = step(strategy, world, training, s, {1: (2, SECONDS), 2: (2, 4 * SECONDS)})
+    assert result.balance["drained"] == [2]  # quota 0 from the next step on, either way
+    assert result.balance.get("evicting", []) == ([2] if spares else [])
+    stats = strategy.step_stats
+    if spares:
+        with pytest.raises(StragglerEvicted, match="replica 2 evicted as a persistent straggler before step 4"):
+            stats.leave_if_evicted(2, 4)  # what replica 2's ranks do as step 4 begins
+    else:
+        stats.leave_if_evicted(2, 4)  # no spare: it stays, drained
+    stats.leave_if_evicted(0, 4)  # a healthy replica carries on
+    stats.leave_if_evicted(None, 4)  # and so does a pool rank
+    assert step(strategy, world, training, 4, {1: (3, SECONDS)}).quotas == {0: 3, 1: 3, 2: 0}
+
+
+def test_two_stragglers_and_one_spare_evict_the_lower_id_and_drain_the_other() -> None:
+    strategy, world, training = make(dp=5, spares=1, straggler_factor=2.0, straggler_steps=2,
+                                     straggler_action="evict")
+    slow, fast = (2, 4 * SECONDS), (2, SECONDS)
+    for s in (1, 2, 3):  # replicas 0 (this rank), 1 and 4 are fast, 2 and 3 are 4x slower
+        result = step(strategy, world, training, s, {1: fast, 2: slow, 3: slow, 4: fast})
+    assert result.balance["drained"] == [2, 3] and result.balance["evicting"] == [2]
 
 
 def test_a_spare_that_takes_a_slot_does_not_inherit_the_slots_slowness() -> None:

@@ -19,7 +19,7 @@ from nanotron_recover import run_folder
 from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.ft import FailureDetected, ReplicaEvicted
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
-from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas
+from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas, StragglerEvicted
 from nanotron_recover.watchdog import arm_exit_deadline, end_job
 
 if TYPE_CHECKING:
@@ -124,6 +124,8 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
         code, reason = EXIT_DONE, "finished"
     except ReplicaEvicted as e:
         code, reason = _leave_evicted(dp, e)
+    except StragglerEvicted as e:
+        code, reason = _leave_as_straggler(dp, trainer, e)
     except BelowMinimumReplicas as e:
         code, reason = _stop_below_minimum(dp, trainer, e)
     except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
@@ -154,6 +156,16 @@ def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", run
 def _leave_evicted(dp: ProcessLifecycle, e: ReplicaEvicted, after: str = "") -> tuple[int, str]:
     print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
     return EXIT_DONE, f"evicted{after}: {e}"
+
+
+def _leave_as_straggler(dp: Any, trainer: Any, e: StragglerEvicted) -> tuple[int, str]:
+    """Leave the world without a word: the others see this replica's ranks die, repair around them and activate
+    the spare promised to its slot (the straggler had quota 0 already: nothing is orphaned)."""
+    print(f"[nanotron-recover] rank {dp.ft.rank}: {e}", flush=True)
+    if trainer is not None:
+        trainer.metrics.close()  # the logging rank's wandb run ends here; the next lowest rank takes over
+    dp.ft.leave()
+    return EXIT_DONE, f"evicted: {e}"
 
 
 def _stop_below_minimum(dp: Any, trainer: Any,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.recovery.errors import StragglerEvicted
 from nanotron_recover.strategy import LocalWork
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -41,12 +42,15 @@ def settings_of(config: RecoverConfig) -> RebalanceSettings:
 
 class StepStats:
     """``stats``: ``[loss sum, microbatches, seconds of slot 0 .. dp-1, microbatches of slot 0 .. dp-1]``, reused
-    every attempt; ``balancer``: the speed estimates and the weights the planner uses."""
+    every attempt; ``balancer``: the speed estimates and the weights the planner uses; ``evicting``: drained
+    stragglers that leave for a spare (``straggler_action: evict``), the same set on every rank."""
 
     def __init__(self, config: RecoverConfig) -> None:
         self.slots = config.parallelism.dp
         self.stats = np.zeros(2 + 2 * self.slots + SNAPSHOT_ENTRIES, dtype=np.float64)
         self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
+        self.evicts = config.fault_tolerance.straggler_action == "evict"
+        self.evicting: set[int] = set()
 
     def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None,
              snapshot_cost_s: float | None = None, step_s: float | None = None) -> np.ndarray:
@@ -76,14 +80,35 @@ class StepStats:
         by_slot = {slot: roster.replica_in_slot(slot) for slot in roster.active_slots()}
         seconds = {r: float(self.stats[2 + s]) for s, r in by_slot.items()}
         counts = {r: int(round(self.stats[2 + self.slots + s])) for s, r in by_slot.items()}
+        drained_before = set(self.balancer.drained)
         self.balancer.observe(seconds, counts, computing=sorted(by_slot.values()))
+        evicted = self._evict(sorted(self.balancer.drained - drained_before), roster)
         record: dict[str, Any] = {
             "compute_s": {str(r): round(s, 6) for r, s in sorted(seconds.items()) if counts[r] > 0},
             "speeds": {str(r): round(v, 3) for r, v in self.balancer.speeds(list(by_slot.values())).items()},
         }
         if self.balancer.drained:
             record["drained"] = sorted(self.balancer.drained)
+        if evicted:
+            record["evicting"] = evicted
         return record
+
+    def leave_if_evicted(self, replica: int | None, step: int) -> None:
+        """On the ranks of a replica chosen for eviction: raise :class:`StragglerEvicted` (called as the next step
+        begins, after the commit, checkpoint and snapshot of the step that chose it, which it took part in)."""
+        if replica is not None and replica in self.evicting:
+            raise StragglerEvicted(replica, step)
+
+    def _evict(self, newly_drained: list[int], roster: ReplicaRoster) -> list[int]:
+        """``straggler_action: evict``: the newly drained replicas that leave as failed, in id order, while an idle
+        spare is left for each (the ones still leaving have one promised); the others stay drained. Evicting with
+        no spare would lose the same capacity as draining and free nothing."""
+        if not self.evicts:
+            return []
+        promised = len(self.evicting & set(roster.active))
+        chosen = newly_drained[:max(len(roster.spares) - promised, 0)]
+        self.evicting.update(chosen)
+        return chosen
 
     def slot_weights(self, roster: ReplicaRoster, slots: list[int]) -> dict[int, float] | None:
         """The planner's weights by slot (None: rebalancing, fixed weights and draining are all off)."""

@@ -3,17 +3,19 @@
 Open MPI waits by polling its progress engine; with ``--oversubscribe`` it calls ``sched_yield`` between polls.
 On a node with a core per rank that is the fastest way to wait. On a node that holds more ranks than it has cores
 (CI's 2 cores, a laptop, several replicas sharing a host) every waiting rank keeps taking CPU time from the ranks
-it waits for: measured on 2 cores with 8 one-rank replicas, a ReCoVer run made 5-10 million involuntary context
-switches against stock torch DDP's 30 thousand (gloo waits asleep in the kernel), and 2.5x its system time.
+it waits for: measured on 2 cores with 8 one-rank replicas (``benchmarks/overhead.py --breakdown``), a 30-step
+ReCoVer job waiting inside MPI made 4.4 million involuntary context switches against stock torch DDP's 31 thousand
+(gloo waits asleep in the kernel), and 1.9x its system CPU; waiting asleep, 0.28 million and a 7 % shorter step.
 
 ``poll`` mode waits asleep: an ``Ibarrier`` polled with short, growing sleeps (20 us up to 1 ms) until every peer
 has arrived, and only then the blocking collective itself, which then runs at full speed with everyone present.
-(A nonblocking collective polled the same way would progress only at our polls: 4 MB took 8.8 ms instead of 4.6.)
+(A nonblocking collective polled the same way would progress only at our polls: Open MPI runs no progress thread
+by default, so every round of its algorithm would wait for our next test.)
 The Ibarrier fails on a death or a revoke exactly as the collective would, so the failure path is unchanged. The
 commit agreement is an ``Iagree``, which matches a peer's blocking ``Agree`` (measured), as a repair's entry needs.
 
-The failure watcher's polls cost too (each wake-up runs Open MPI's progress engine: 9 ms of CPU per second per
-rank at 5-ms polls, 1.6 ms at 50-ms ones, measured idle on 4 ranks): in ``poll`` mode it polls every 50 ms, which
+The failure watcher's polls cost too (each wake-up runs Open MPI's progress engine, a cost per wake-up, so ten
+times fewer wake-ups cost about ten times less): in ``poll`` mode it polls every 50 ms instead of 5 ms, which
 delays only the early notice (a collective notices a death by itself).
 
 ``auto`` (the default, ``fault_tolerance.mpi_wait``) asks for ``poll`` when the node is oversubscribed (more ranks

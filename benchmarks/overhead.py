@@ -81,19 +81,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "round_ratios": rounds, "pairwise_ratio": pairwise, "order": order, "runs": per_run}
     write_json(out / "overhead.json", data)
     data["shares"] = shares(med)
-    rows = [[n, len(per_run[n]), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in per_run[n]), med[n] * 1000,
-             f"{med[n] / med['stock']:.3f}", mean[n] * 1000, f"{mean[n] / mean['stock']:.3f}",
-             f"{median(r['involuntary_switches'] for r in per_run[n]) / 1e3:.0f}",
-             f"{median(r['cpu_sys_s'] for r in per_run[n]):.1f}"] for n in paths]
-    md = "\n".join([
-        f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
-        md_table(["path", "runs", "per-run median step (ms)", "median (ms)", "/ stock", "mean step (ms)",
-                  "mean / stock", "involuntary context switches (thousands, whole job)", "system CPU (s)"], rows),
-        "",
-        f"ratio ReCoVer / stock = {ratio:.3f} (medians), {mean_ratio:.3f} (means: every step counted), "
-        f"{pairwise:.3f} (median of the rounds' own ratios: {', '.join(f'{x:.3f}' for x in rounds)})",
-        *[f"share of the ReCoVer step: {name} {share * 100:+.1f}%" for name, share in data["shares"].items()],
-    ]) + "\n"
+    md = report_md(data, per_run)
     (out / "overhead.md").write_text(md)
     _plot(per_run, out / "overhead.png", setup)
     print(md)
@@ -118,6 +106,25 @@ MECHANISMS = {"node-local snapshots": ("recover", "recover-no-snapshots"),
               "the data path (bare ReCoVer vs stock)": ("recover-bare", "stock"),
               # negative: what waiting asleep (mpi_wait: poll, auto's choice on this oversubscribed node) saves
               "waiting asleep instead of inside MPI": ("recover", "recover-waiting-in-mpi")}
+
+
+def report_md(data: dict, per_run: dict[str, list[dict]]) -> str:
+    """The printed report: one row per variant, the three ratios, each mechanism's share."""
+    med, mean = data["median_step_s"], data["mean_step_s"]
+    rows = [[n, len(runs), ", ".join(f"{r['median_step_s'] * 1000:.2f}" for r in runs), med[n] * 1000,
+             f"{med[n] / med['stock']:.3f}", mean[n] * 1000, f"{mean[n] / mean['stock']:.3f}",
+             f"{median(r['involuntary_switches'] for r in runs) / 1e3:.0f}",
+             f"{median(r['cpu_sys_s'] for r in runs):.1f}"] for n, runs in per_run.items()]
+    return "\n".join([
+        f"command: `{data['command']}`", "", f"machine: {data['machine']}", "", f"setup: {data['setup']}", "",
+        md_table(["path", "runs", "per-run median step (ms)", "median (ms)", "/ stock", "mean step (ms)",
+                  "mean / stock", "involuntary context switches (thousands, whole job)", "system CPU (s)"], rows),
+        "",
+        f"ratio ReCoVer / stock = {data['ratio']:.3f} (medians), {data['mean_ratio']:.3f} (means: every step "
+        f"counted), {data['pairwise_ratio']:.3f} (median of the rounds' own ratios: "
+        f"{', '.join(f'{x:.3f}' for x in data['round_ratios'])})",
+        *[f"share of the ReCoVer step: {name} {share * 100:+.1f}%" for name, share in data["shares"].items()],
+    ]) + "\n"
 
 
 def job_usage(before: resource.struct_rusage, after: resource.struct_rusage) -> dict[str, float]:

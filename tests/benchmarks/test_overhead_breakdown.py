@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks.overhead import PATHS, interleaved, job_usage, shares, summarise
+from benchmarks.overhead import PATHS, interleaved, job_usage, report_md, shares, summarise
 from nanotron_recover.config import config_from_dict
 from tests.conftest import make_tiny_config
 
@@ -50,3 +50,15 @@ def test_a_jobs_usage_is_what_its_waited_for_processes_added() -> None:
     usage = job_usage(before, resource.getrusage(resource.RUSAGE_CHILDREN))
     assert usage["cpu_user_s"] > 0.01 and usage["cpu_sys_s"] >= 0 and usage["involuntary_switches"] >= 0
     assert job_usage(before, before) == {"involuntary_switches": 0, "cpu_user_s": 0.0, "cpu_sys_s": 0.0}
+
+
+def test_the_report_carries_each_variants_runs_ratios_and_usage() -> None:
+    run = lambda t, switches: {"median_step_s": t, "mean_step_s": t, "involuntary_switches": switches,  # noqa: E731
+                               "cpu_user_s": 1.0, "cpu_sys_s": 0.5}
+    per_run = {"stock": [run(0.5, 30_000)], "recover": [run(0.45, 4_356_000)]}
+    med, mean, rounds = summarise(per_run)
+    data = {"command": "c", "machine": "m", "setup": "s", "median_step_s": med, "mean_step_s": mean,
+            "ratio": 0.9, "mean_ratio": 0.9, "pairwise_ratio": 0.9, "round_ratios": rounds, "shares": shares(med)}
+    md = report_md(data, per_run)
+    assert "| recover | 1 | 450.00 | 450 | 0.900 | 450 | 0.900 | 4356 | 0.5 |" in md
+    assert "ratio ReCoVer / stock = 0.900 (medians)" in md

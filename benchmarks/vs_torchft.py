@@ -85,6 +85,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process of every system")
     ap.add_argument("--data-folder", default=None, help="prepared KJV tokens (default: prepared under --out)")
     ap.add_argument("--quick", action="store_true", help="the smoke test's size (see QUICK)")
+    ap.add_argument("--clockwork-only", action="store_true",
+                    help="only the Clockwork protocol: its table and the time-to-N ratio per T")
     ap.add_argument("--out", default="runs/bench/vs_torchft")
     ap.add_argument("--timeout-s", type=float, default=900, help="bound of each run")
     add_size_args(ap)
@@ -319,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = fresh_out_dir(args)
     out.mkdir(parents=True)
     data = prepare_data(args, out)
+    if args.clockwork_only:
+        return clockwork_only(args, data, out, argv)
     full = not args.quick
     ff_systems = ["ddp", "recover", "torchft"] + (["stock", "torchft-mar"] if full else ["torchft-mar"])
     ff = failure_free(args, data, out, ff_systems)
@@ -335,6 +339,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(md, flush=True)
     print(line)
     return {"summary": s, "headline": h}
+
+
+def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequence[str] | None) -> dict[str, Any]:
+    """``--clockwork-only``: the Clockwork runs alone, with torchft-mar / ReCoVer's time to N per T."""
+    M = M_of(args)
+    clock = {T: {k: clockwork_numbers(r, args.clockwork_steps, args.micro_batch, M) for k, r in d.items()}
+             for T, d in clockwork(args, data, out).items()}
+    ratios = {T: ratio(d["torchft-mar"]["time_to_n_from_first_step_s"], d["recover"]["time_to_n_from_first_step_s"])
+              for T, d in clock.items()}
+    command = command_line(argv, "benchmarks/vs_torchft.py")
+    md = "\n".join([f"command: `{command}`", "", f"machine: {machine_line()}", "",
+                     clockwork_table({"clockwork": clock}, M, args.micro_batch), "",
+                     " ".join(f"recover_vs_torchft_time_to_N_T{T:g}={r:.4g}" for T, r in ratios.items())]) + "\n"
+    write_json(out / "vs_torchft_clockwork.json", {"command": command, "machine": machine_line(),
+                                                   "args": vars(args), "clockwork": clock, "ratios": ratios})
+    (out / "vs_torchft_clockwork.md").write_text(md)
+    print(md, flush=True)
+    return {"clockwork": clock, "ratios": ratios}
 
 
 if __name__ == "__main__":

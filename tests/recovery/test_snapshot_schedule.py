@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.rebalancing import StepStats
-from nanotron_recover.recovery.snapshot_schedule import SnapshotSchedule, young_interval
+from nanotron_recover.recovery.snapshot_schedule import SnapshotSchedule, next_interval, young_interval
 from nanotron_recover.strategy import LocalWork
 from tests.conftest import make_tiny_config
 
@@ -129,3 +129,29 @@ def test_a_changed_auto_interval_is_reported_once_and_a_fixed_one_never():
     assert schedule.news(3) is None
     fixed = SnapshotSchedule.of(2, max_interval=5, mtbf_h=2.0)
     assert fixed.commit(2, (50_000, 1, 100_000, 1)) and fixed.due_now and fixed.news(2) is None
+
+
+def test_the_auto_interval_moves_only_when_youngs_value_leaves_the_band_around_it():
+    def cost(steps: float) -> float:  # the write cost for which Young says ``steps`` steps of 0.1 s (MTBF 1 s)
+        return (0.1 * steps) ** 2 / 2
+
+    assert next_interval(2, cost(2.9), 0.1, 1.0, 10) == 2  # within [2 / 1.5, 2 x 1.5]: kept
+    assert next_interval(2, cost(1.4), 0.1, 1.0, 10) == 2
+    assert next_interval(2, cost(3.1), 0.1, 1.0, 10) == 3  # outside: Young's interval
+    assert next_interval(2, cost(1.3), 0.1, 1.0, 10) == 1
+    assert next_interval(4, 0.2, 0.1, HOUR, 10) == 10  # far more than the cap: the cap
+    assert next_interval(10, 0.2, 0.1, HOUR, 10) == 10
+
+
+def test_write_costs_that_wander_near_a_rounding_boundary_change_the_interval_once():
+    """Young's value hovering between 1.4 and 1.7 steps (writes of 1.1-1.6 ms, steps of 0.1 s, a fault every 9 s):
+    without the band the interval flipped between 1 and 2 every step, with an event each time; now it moves once."""
+    schedule = SnapshotSchedule.of("auto", max_interval=10, mtbf_h=9 / HOUR)
+    intervals, events = [], 0
+    for step in range(1, 41):
+        cost_us = 1_090 if step % 2 else 1_605  # sqrt(2 x cost x 9 s) = 0.140 s and 0.170 s: 1.40 and 1.70 steps
+        schedule.commit(step, (cost_us, 1, 100_000, 1))
+        events += schedule.news(step) is not None
+        intervals.append(schedule.interval)
+    assert intervals == [1] + [2] * 39 and events == 1
+    assert young_interval(0.001090, 0.1, 9.0, 10) == 1 and young_interval(0.001605, 0.1, 9.0, 10) == 2  # the flip

@@ -5,7 +5,10 @@ the next update waited for it); a relaunch costs the steps since the last snapsh
 Young's rule, the interval that minimises the expected time lost to both: ``sqrt(2 * cost * MTBF)`` seconds, with
 ``MTBF`` the expected time between faults that end the job (``relaunch_mtbf_h``), converted to steps with the
 measured step time, and capped at ``local_snapshot_max_interval``, the most steps a relaunch may lose. Until a
-write was measured, every step is snapshotted.
+write was measured, every step is snapshotted. The interval moves only when Young's value leaves a band of a factor
+:data:`DEAD_BAND` around it: the measured costs vary from step to step, and without the band the interval flipped
+between neighbours (logging an event each time) for nothing, since the expected loss is flat near the optimum (an
+interval k times off costs ``(k + 1/k) / 2 - 1`` more of it: 8 % at 1.5x).
 
 Every rank must snapshot the same steps (a relaunch loads a step that every coordinate holds), so the schedule is
 fed only the step's world-wide sums (:class:`~nanotron_recover.recovery.rebalancing.StepStats`), which are
@@ -19,15 +22,29 @@ import math
 from dataclasses import dataclass
 
 AUTO = "auto"
+DEAD_BAND = 1.5  # the auto interval stays while Young's value is within this factor of it
+
+
+def young_steps(cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> float:
+    """Young's rule (``sqrt(2 * cost * MTBF)`` seconds) in steps, unrounded, within ``[1, max_interval]``."""
+    if step_s <= 0:
+        return 1.0
+    steps = math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s
+    if not math.isfinite(steps):  # never from validated settings; an overflow must not end the run
+        return float(max_interval)
+    return max(1.0, min(float(max_interval), steps))
 
 
 def young_interval(cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> int:
-    """Steps between snapshots by Young's rule (``sqrt(2 * cost * MTBF)`` seconds), in ``[1, max_interval]``."""
-    if step_s <= 0:
-        return 1
-    steps = math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s
-    if not math.isfinite(steps):  # never from validated settings; an overflow must not end the run
-        return max_interval
+    """Steps between snapshots by Young's rule, rounded, in ``[1, max_interval]``."""
+    return max(1, min(max_interval, round(young_steps(cost_s, step_s, mtbf_s, max_interval))))
+
+
+def next_interval(current: int, cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> int:
+    """``current`` while Young's value is within a factor :data:`DEAD_BAND` of it, else Young's interval."""
+    steps = young_steps(cost_s, step_s, mtbf_s, max_interval)
+    if current / DEAD_BAND <= steps <= current * DEAD_BAND:
+        return current
     return max(1, min(max_interval, round(steps)))
 
 
@@ -57,7 +74,7 @@ class SnapshotSchedule:
         if ranks > 0:
             self.step_s = step_us / ranks / 1e6
         if self.fixed is None and self.cost_s is not None and self.step_s is not None:
-            self.interval = young_interval(self.cost_s, self.step_s, self.mtbf_s, self.max_interval)
+            self.interval = next_interval(self.interval, self.cost_s, self.step_s, self.mtbf_s, self.max_interval)
 
     def commit(self, step: int, sums: tuple[float, float, float, float]) -> bool:
         """A committed step, with its world-wide sums (:meth:`observe`): whether it is snapshotted (also kept in

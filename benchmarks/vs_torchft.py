@@ -81,6 +81,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--clockwork-every", type=float, nargs="*", default=[20.0, 40.0], help="T values (s); none: skip")
     ap.add_argument("--clockwork-steps", type=int, default=300, help="N of the Clockwork protocol")
     ap.add_argument("--clockwork-max-kills", type=int, default=None)
+    ap.add_argument("--clockwork-systems", nargs="+", default=["recover", "torchft-mar"],
+                    choices=["recover", "recover+spare", "torchft-mar"],
+                    help="recover+spare: one more process, an idle spare replica (the victims are drawn among all "
+                         "live replicas, the spare too)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the Clockwork victim draws")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process of every system")
     ap.add_argument("--data-folder", default=None, help="prepared KJV tokens (default: prepared under --out)")
@@ -145,7 +149,8 @@ def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps
     if kind in ("torchft", "torchft-mar"):
         return run_torchft(spec, out, R, faults, bound, grad_sync="ddp" if kind == "torchft" else "manager",
                            name=kind)
-    ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s), "recover+spare": recover_ft(1)}[kind]
+    ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s),
+          "recover+spare": recover_ft(1, relaunch_every_s)}[kind]
     return run_recover(kind, base_config(args, data, steps, ft), out, faults, bound,
                        relaunch=relaunch_every_s is not None)
 
@@ -184,10 +189,11 @@ def clockwork(args: argparse.Namespace, data: Path, out: Path) -> dict[float, di
     for T in args.clockwork_every:
         faults = clockwork_faults(args.seed, T, horizon_s=100 * T)[:args.clockwork_max_kills]
         runs[T] = {}
-        for kind in ("recover", "torchft-mar"):
-            # R replicas, no spare: every R-th kill takes the last replica and costs a relaunch
+        for kind in args.clockwork_systems:
+            # every (R + spares)-th kill takes the last replica and costs a relaunch
+            replicas = args.replicas + (1 if kind == "recover+spare" else 0)
             run = run_system(kind, args, data, out / f"clockwork_T{T:g}_{kind}", N, copy.deepcopy(faults),
-                             relaunch_every_s=args.replicas * T)
+                             relaunch_every_s=replicas * T)
             _check_complete(run, N)
             runs[T][kind] = run
             c = clockwork_numbers(run, N, args.micro_batch, M_of(args))
@@ -231,8 +237,8 @@ def summarize(args: argparse.Namespace, ff: dict[str, list[SystemRun]], faults: 
     fault = {k: {**fault_numbers(r, ref_of[k], M), "weights_rel_diff": weights_diff(r, ref_of[k]),
                  "restarts": r.extra.get("restarts", 0), "launches": r.launches, "processes": r.processes}
              for k, r in faults.items()}
-    clock = {T: {k: clockwork_numbers(r, args.clockwork_steps, args.micro_batch, M) for k, r in d.items()}
-             for T, d in cw.items()}
+    clock = {T: {k: {**clockwork_numbers(r, args.clockwork_steps, args.micro_batch, M), "processes": r.processes}
+                 for k, r in d.items()} for T, d in cw.items()}
     return {
         "step_s": step,
         "per_run_step_s": {k: [median_step_s(r) for r in runs] for k, runs in ff.items()},
@@ -286,10 +292,11 @@ def clockwork_table(s: dict[str, Any], M: int, mbs: int) -> str:
     rows = []
     for T, d in s["clockwork"].items():
         for k, c in d.items():
-            rows.append([_fmt(T, " s"), k, c["kills_sent"], c["launches"], _fmt(c["time_to_n_s"], " s"),
+            rows.append([_fmt(T, " s"), k, c.get("processes", "n/a"), c["kills_sent"], c["launches"],
+                         _fmt(c["time_to_n_s"], " s"),
                          _fmt(c["time_to_n_from_first_step_s"], " s"), c["useful_samples"],
                          _fmt(c["useful_fraction"])])
-    return md_table(["T", "system", "kills sent", "launches", "time to N (from launch)",
+    return md_table(["T", "system", "processes", "kills sent", "launches", "time to N (from launch)",
                      "time to N (from 1st step)", "useful samples", "of N x M x mbs"], rows)
 
 
@@ -344,14 +351,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequence[str] | None) -> dict[str, Any]:
     """``--clockwork-only``: the Clockwork runs alone, with torchft-mar / ReCoVer's time to N per T."""
     M = M_of(args)
-    clock = {T: {k: clockwork_numbers(r, args.clockwork_steps, args.micro_batch, M) for k, r in d.items()}
-             for T, d in clockwork(args, data, out).items()}
-    ratios = {T: ratio(d["torchft-mar"]["time_to_n_from_first_step_s"], d["recover"]["time_to_n_from_first_step_s"])
-              for T, d in clock.items()}
+    clock = {T: {k: {**clockwork_numbers(r, args.clockwork_steps, args.micro_batch, M), "processes": r.processes}
+                 for k, r in d.items()} for T, d in clockwork(args, data, out).items()}
+    ratios = {f"{k.replace('+', '_')}_vs_torchft_time_to_N_T{T:g}":
+              ratio(d["torchft-mar"]["time_to_n_from_first_step_s"], d[k]["time_to_n_from_first_step_s"])
+              for T, d in clock.items() for k in d if k.startswith("recover") and "torchft-mar" in d}
     command = command_line(argv, "benchmarks/vs_torchft.py")
     md = "\n".join([f"command: `{command}`", "", f"machine: {machine_line()}", "",
                      clockwork_table({"clockwork": clock}, M, args.micro_batch), "",
-                     " ".join(f"recover_vs_torchft_time_to_N_T{T:g}={r:.4g}" for T, r in ratios.items())]) + "\n"
+                     " ".join(f"{name}={r:.4g}" for name, r in ratios.items())]) + "\n"
     write_json(out / "vs_torchft_clockwork.json", {"command": command, "machine": machine_line(),
                                                    "args": vars(args), "clockwork": clock, "ratios": ratios})
     (out / "vs_torchft_clockwork.md").write_text(md)

@@ -80,9 +80,11 @@ def _pause_ranks_then_resume(run_dir, ranks: set[int], after_step: int, paused_s
     """SIGSTOP every process of ``ranks`` (the ranks and their watchdogs) once ``after_step`` is logged; SIGCONT
     them ``paused_s`` later: a node stalled as a whole (a VM or cgroup freeze), then running again."""
     deadline = time.monotonic() + TIMEOUT_S
-    while last_logged_step(run_dir) < after_step and time.monotonic() < deadline:
+    while last_logged_step(run_dir) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    pids = [pid for pid, rank in rank_processes(run_dir).items() if rank in ranks]
+    pids = [pid for pid, rank in rank_processes(run_dir).items() if rank in ranks]  # scanned before: tens of ms
+    while last_logged_step(run_dir) < after_step and time.monotonic() < deadline:
+        time.sleep(0.01)
     record_external_fault(run_dir, "stop-" + "-".join(map(str, sorted(ranks))))  # its hang events are provoked
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -102,7 +104,11 @@ def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_othe
     """Node 2 (replica 1) stalls whole for the hang timeout + 4 s, then runs again. Node 1's ranks hear the silence
     and ask node 2's ranks to kill their replica; those wake, do it, and must not judge node 1's ranks by the
     silence of their own pause (the case of a CI failure: a woken rank killed a healthy rank of the other node and
-    the job lost both replicas). The run finishes on replica 0 with the failure-free losses."""
+    the job lost both replicas). The run finishes on replica 0 with the failure-free losses.
+
+    Every microbatch carries 19x its compute time as a sleep ("device time", ``signal: slow``: no number changes),
+    so that the pause lands in the middle of training: with steps of ~35 ms, the job once reached its final
+    agreement before the pauser's SIGSTOP, and the woken replica simply finished with the others."""
     reference = run_training(two_node_config(tiny_config, []), tmp_path / "ref", timeout_s=TIMEOUT_S,
                              extra_args=["--synthetic-data"])
     for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
@@ -111,8 +117,11 @@ def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_othe
     pauser = threading.Thread(target=_pause_ranks_then_resume, daemon=True,
                               args=(tmp_path / "run", {2, 3}, FAULT_STEP - 1, HANG_TIMEOUT_S + 4.0, log))
     pauser.start()
-    result = run_training(two_node_config(tiny_config, []), tmp_path / "run", timeout_s=TIMEOUT_S,
+    device_time = [{"step": 1, "replica": r, "signal": "slow", "factor": 20} for r in (0, 1)]
+    result = run_training(two_node_config(tiny_config, device_time), tmp_path / "run", timeout_s=TIMEOUT_S,
                           extra_args=["--synthetic-data"])
+    heard = [h["last_step"] for h in result.events_of("hang_detected") if "last_step" in h]
+    assert heard and min(heard) < STEPS, f"the pause did not land in the middle of training: {heard}\n{log}"
     pauser.join(timeout=60)
     tail = result.output[-5000:]
     assert len(log) == 2 and log[1] == "resumed" and int(log[0].split()[1]) >= 2, log  # both ranks paused

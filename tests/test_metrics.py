@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -82,8 +81,8 @@ def test_wandb_offline_runs_share_one_id_across_a_handover(tmp_path: Path, monke
 
 
 class _FakeRun:
-    def __init__(self, kwargs: dict[str, Any]) -> None:
-        self.kwargs, self.rows, self.finished = kwargs, [], False
+    def __init__(self, kwargs: dict[str, Any], step: int = 0) -> None:
+        self.kwargs, self.rows, self.finished, self.step = kwargs, [], False, step
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         self.rows.append((step, dict(data)))
@@ -92,15 +91,25 @@ class _FakeRun:
         self.finished = True
 
 
+class _FakeWandb:
+    """A recording stand-in for ``wandb.init``, handed to :class:`MetricsLogger` (its ``wandb_init`` seam);
+    ``resumed_at``: the current step the next run reports, as a resumed wandb run does."""
+
+    def __init__(self) -> None:
+        self.runs: list[_FakeRun] = []
+        self.resumed_at = 0
+
+    def init(self, **kwargs: Any) -> _FakeRun:
+        self.runs.append(_FakeRun(kwargs, self.resumed_at))
+        return self.runs[-1]
+
+    def logger(self, run_dir: Path, enabled: bool = True) -> MetricsLogger:
+        return MetricsLogger(run_dir, enabled, {"project": "test"}, wandb_init=self.init)
+
+
 @pytest.fixture
-def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[_FakeRun]:
-    """``import wandb`` gets a stand-in that records what each run was sent; returns the runs, in start order."""
-    runs: list[_FakeRun] = []
-    module = types.ModuleType("wandb")
-    module.Settings = lambda **kwargs: kwargs  # type: ignore[attr-defined]
-    module.init = lambda **kwargs: runs.append(_FakeRun(kwargs)) or runs[-1]  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "wandb", module)
-    return runs
+def fake_wandb() -> _FakeWandb:
+    return _FakeWandb()
 
 
 def _die(logger: MetricsLogger) -> None:
@@ -126,39 +135,55 @@ def test_replay_plan_takes_the_records_after_the_sidecar_and_before_the_next_ste
 
 
 def test_a_logging_rank_lost_without_finishing_wandb_is_replayed_in_full(tmp_path: Path,
-                                                                          fake_wandb: list[_FakeRun]) -> None:
-    first = MetricsLogger(tmp_path, True, {"project": "test"})
+                                                                          fake_wandb: _FakeWandb) -> None:
+    first = fake_wandb.logger(tmp_path)
     for step in range(4):
         first.log_step({"step": step, "loss": 10.0 - step})
     _die(first)  # its wandb rows may never have reached the disk
-    heir = MetricsLogger(tmp_path, False, {"project": "test"})
+    heir = fake_wandb.logger(tmp_path, enabled=False)
     heir.set_logging(True)
     heir.log_step({"step": 3, "loss": 7.0})  # the heir re-logs the last committed step first (resilient.py)
     heir.log_step({"step": 4, "loss": 6.0})
     heir.close()
-    dead, new = fake_wandb
+    dead, new = fake_wandb.runs
     assert new.kwargs["id"] == dead.kwargs["id"] and new.kwargs["resume"] == "allow"
     assert [(step, row["loss"]) for step, row in new.rows] == [(s, 10.0 - s) for s in range(5)]
     assert new.finished and read_logged_step(tmp_path) == 4
 
 
-def test_after_a_clean_finish_only_the_later_records_are_replayed(tmp_path: Path, fake_wandb: list[_FakeRun]) -> None:
-    with MetricsLogger(tmp_path, True, {"project": "test"}) as first:  # finishes wandb: sidecar = 1
+def test_after_a_clean_finish_only_the_later_records_are_replayed(tmp_path: Path, fake_wandb: _FakeWandb) -> None:
+    with fake_wandb.logger(tmp_path) as first:  # finishes wandb: sidecar = 1
         first.log_step({"step": 0, "loss": 5.0})
         first.log_step({"step": 1, "loss": 4.0})
     assert read_logged_step(tmp_path) == 1
-    second = MetricsLogger(tmp_path, True, {"project": "test"})
+    second = fake_wandb.logger(tmp_path)
     second.log_step({"step": 2, "loss": 3.0})
     second.log_event({"event": "repair", "step": 2, "world_epoch": 1})
     second.log_step({"step": 3, "loss": 2.0})
     _die(second)
-    with MetricsLogger(tmp_path, True, {"project": "test"}) as third:
+    with fake_wandb.logger(tmp_path) as third:
         third.log_step({"step": 4, "loss": 1.0})
-    assert [(step, sorted(row)) for step, row in fake_wandb[1].rows] == [
+    assert [(step, sorted(row)) for step, row in fake_wandb.runs[1].rows] == [
         (2, ["loss"]), (2, ["repair/world_epoch"]), (3, ["loss"])]
-    assert [(step, sorted(row)) for step, row in fake_wandb[2].rows] == [
+    assert [(step, sorted(row)) for step, row in fake_wandb.runs[2].rows] == [
         (2, ["loss"]), (2, ["repair/world_epoch"]), (3, ["loss"]), (4, ["loss"])]
     assert read_logged_step(tmp_path) == 4
+
+
+def test_a_relaunch_does_not_send_wandb_the_steps_it_computes_again(tmp_path: Path, fake_wandb: _FakeWandb) -> None:
+    """A job killed after step 5 and resumed from the snapshot of step 3: steps 4 and 5 come again, with the same
+    numbers. The resumed wandb run is at step 5 already: wandb would drop rows below it, warning for each."""
+    first = fake_wandb.logger(tmp_path)
+    for step in range(1, 6):
+        first.log_step({"step": step, "loss": 10.0 - step})
+    _die(first)
+    fake_wandb.resumed_at = 5  # what the resumed run reports: its rows reach step 5
+    with fake_wandb.logger(tmp_path) as relaunch:
+        for step in range(4, 8):
+            relaunch.log_step({"step": step, "loss": 10.0 - step})
+    assert [step for step, _ in fake_wandb.runs[1].rows] == [5, 6, 7]  # none below the run's own step
+    assert [r["step"] for r in read_metrics_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 4, 5, 6, 7]  # the JSONL keeps all
+    assert read_logged_step(tmp_path) == 7
 
 
 def test_wandb_failure_does_not_stop_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

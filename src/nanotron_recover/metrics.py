@@ -14,8 +14,10 @@ that takes over, a relaunch) first re-logs every JSONL record with a step after 
 there is no sidecar) and before the step it is about to log (:func:`wandb_replay`). After a clean handover
 that is nothing; after a SIGKILL it may re-send rows the dead process did persist (wandb ignores a row whose
 step is not above its run's current step when the halves are synced into one run; not checked against a
-server here, this machine is offline). A row is never missing. The replay costs about 0.3 ms a record (10,000 records in
-~3 s offline on this CPU), once per takeover.
+server here, this machine is offline). A row is never missing. Rows below the resumed run's own current step
+(``run.step``) are neither replayed nor logged: after a relaunch from a node-local snapshot the first steps are
+computed again, with the same numbers (the trajectory is kept), and wandb would drop them with a warning each.
+The replay costs about 0.3 ms a record (10,000 records in ~3 s offline on this CPU), once per takeover.
 
 wandb is optional at run time: it is imported lazily (the import alone costs ~0.7 s) and any wandb failure
 only disables wandb, never training.
@@ -40,6 +42,26 @@ __all__ = ["MetricsLogger", "wandb_replay", "find_wandb_run_files"]
 logger = logging.getLogger(__name__)
 
 _WANDB_INIT_KEYS = ("project", "entity", "name", "group", "job_type", "tags", "notes", "config", "id", "mode", "dir")
+
+
+def _start_wandb_run(**kwargs: Any) -> Any:
+    """``wandb.init`` with this project's settings (imported here: the import alone costs ~0.7 s)."""
+    import wandb
+
+    return wandb.init(
+        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, reinit="create_new",
+                                init_timeout=60.0, x_transaction_log_flush_interval=2.0),
+        **kwargs,
+    )
+
+
+def _current_step(run: Any) -> int | None:
+    """The step of a (resumed) wandb run's next row, or None where it cannot say."""
+    try:
+        step = getattr(run, "step", None)
+    except Exception:  # noqa: BLE001 - e.g. a "shared" mode run refuses it
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else None
 
 
 def _plain(value: Any) -> Any:
@@ -76,8 +98,10 @@ class MetricsLogger:
     ``$WANDB_MODE`` when the user set it, else ``offline``; files go under ``run_dir`` unless ``dir`` is given.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool, wandb_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, run_dir: str | Path, enabled: bool, wandb_config: Mapping[str, Any] | None = None,
+                 wandb_init: Callable[..., Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self._wandb_init = wandb_init or _start_wandb_run  # a seam: tests hand in a recording stand-in
         # wraps wandb's start (seconds: it spawns a service process, then replays): the trainer tells the hang
         # monitor, for a rank that becomes the logging rank mid-run starts wandb inside a step
         self.slow_io: Callable[[], AbstractContextManager[Any]] = nullcontext
@@ -90,6 +114,7 @@ class MetricsLogger:
         self._wandb_run: Any = None
         self._wandb_failed = False
         self._wandb_last_step: int | None = None  # the last step this process handed to wandb.log
+        self._wandb_floor: int | None = None  # the resumed wandb run's current step: rows below it are dropped
         self.set_logging(enabled)
 
     # -- logging rank -------------------------------------------------------------------------------------------
@@ -141,7 +166,10 @@ class MetricsLogger:
     def _replay(self, run: Any, before_step: Any) -> None:
         """Re-log the JSONL records the wandb copy may lack (see the module docstring)."""
         limit = before_step if _is_step(before_step) else None
-        replayed = wandb_replay(read_metrics_jsonl(self.path), read_logged_step(self.run_dir), limit)
+        logged = read_logged_step(self.run_dir)
+        if self._wandb_floor is not None:  # wandb holds rows up to its current step already
+            logged = max(logged if logged is not None else -1, self._wandb_floor - 1)
+        replayed = wandb_replay(read_metrics_jsonl(self.path), logged, limit)
         for step, values in replayed:
             run.log(values, step=step)
             self._sent(step)
@@ -160,8 +188,6 @@ class MetricsLogger:
 
     def _start_wandb(self, before_step: Any) -> Any:
         try:
-            import wandb  # lazy: ~0.7 s
-
             kwargs = {k: v for k, v in self.wandb_config.items() if k in _WANDB_INIT_KEYS}
             unknown = sorted(set(self.wandb_config) - set(_WANDB_INIT_KEYS))
             if unknown:
@@ -172,24 +198,14 @@ class MetricsLogger:
             if "id" not in kwargs:
                 kwargs["id"] = run_folder.ensure_run_id(self.run_dir)  # wandb's run is the run folder's
             Path(kwargs["dir"]).mkdir(parents=True, exist_ok=True)
-            self._wandb_run = wandb.init(
-                resume="allow",
-                settings=wandb.Settings(
-                    console="off",
-                    silent=True,
-                    x_disable_stats=True,
-                    reinit="create_new",
-                    init_timeout=60.0,
-                    x_transaction_log_flush_interval=2.0,
-                ),
-                **kwargs,
-            )
+            self._wandb_run = self._wandb_init(resume="allow", **kwargs)
         except Exception as exc:  # wandb must never take training down
             self._wandb_failed = True
             self._wandb_run = None
             logger.warning("metrics: wandb disabled (%s: %s); metrics still go to %s", type(exc).__name__, exc,
                            self.path)
             return None
+        self._wandb_floor = _current_step(self._wandb_run)
         try:
             self._replay(self._wandb_run, before_step)
         except Exception as exc:  # a partial replay only leaves a gap in the wandb copy
@@ -204,7 +220,7 @@ class MetricsLogger:
             return
         step = record.get("step")
         run = self._ensure_wandb(before_step=step)
-        if run is None:
+        if run is None or (_is_step(step) and self._wandb_floor is not None and step < self._wandb_floor):
             return
         try:
             if _is_step(step):

@@ -81,8 +81,8 @@ def test_wandb_offline_runs_share_one_id_across_a_handover(tmp_path: Path, monke
 
 
 class _FakeRun:
-    def __init__(self, kwargs: dict[str, Any], step: int = 0) -> None:
-        self.kwargs, self.rows, self.finished, self.step = kwargs, [], False, step
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs, self.rows, self.finished = kwargs, [], False
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         self.rows.append((step, dict(data)))
@@ -92,15 +92,13 @@ class _FakeRun:
 
 
 class _FakeWandb:
-    """A recording stand-in for ``wandb.init``, handed to :class:`MetricsLogger` (its ``wandb_init`` seam);
-    ``resumed_at``: the current step the next run reports, as a resumed wandb run does."""
+    """A recording stand-in for ``wandb.init``, handed to :class:`MetricsLogger` (its ``wandb_init`` seam)."""
 
     def __init__(self) -> None:
         self.runs: list[_FakeRun] = []
-        self.resumed_at = 0
 
     def init(self, **kwargs: Any) -> _FakeRun:
-        self.runs.append(_FakeRun(kwargs, self.resumed_at))
+        self.runs.append(_FakeRun(kwargs))
         return self.runs[-1]
 
     def logger(self, run_dir: Path, enabled: bool = True) -> MetricsLogger:
@@ -171,17 +169,18 @@ def test_after_a_clean_finish_only_the_later_records_are_replayed(tmp_path: Path
 
 
 def test_a_relaunch_does_not_send_wandb_the_steps_it_computes_again(tmp_path: Path, fake_wandb: _FakeWandb) -> None:
-    """A job killed after step 5 and resumed from the snapshot of step 3: steps 4 and 5 come again, with the same
-    numbers. The resumed wandb run is at step 5 already: wandb would drop rows below it, warning for each."""
+    """A job killed after step 5 and resumed from the snapshot of step 3: the relaunch starts wandb during setup
+    (the trainer does), which replays the JSONL to step 5; steps 4 and 5 then come again, with the same numbers,
+    and wandb, whose steps only increase, would drop step 4 with a warning."""
     first = fake_wandb.logger(tmp_path)
     for step in range(1, 6):
         first.log_step({"step": step, "loss": 10.0 - step})
     _die(first)
-    fake_wandb.resumed_at = 5  # what the resumed run reports: its rows reach step 5
     with fake_wandb.logger(tmp_path) as relaunch:
+        relaunch.start_wandb()
         for step in range(4, 8):
             relaunch.log_step({"step": step, "loss": 10.0 - step})
-    assert [step for step, _ in fake_wandb.runs[1].rows] == [5, 6, 7]  # none below the run's own step
+    assert [step for step, _ in fake_wandb.runs[1].rows] == [1, 2, 3, 4, 5, 5, 6, 7]  # the replay, then from 5 on
     assert [r["step"] for r in read_metrics_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 4, 5, 6, 7]  # the JSONL keeps all
     assert read_logged_step(tmp_path) == 7
 

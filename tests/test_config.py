@@ -237,6 +237,8 @@ def test_rebalancing_is_off_by_default_and_its_knobs_parse():
         ({"straggler_steps": 0}, "fault_tolerance.straggler_steps"),
         ({"straggler_factor": 2.0, "straggler_action": "kill"}, "fault_tolerance.straggler_action"),
         ({"straggler_action": "evict"}, "fault_tolerance.straggler_action"),  # nothing would make a straggler
+        ({"straggler_factor": 2.0, "straggler_action": "evict", "recycle": False},  # no spare could ever take
+         "fault_tolerance.straggler_action"),                                      # its slot
         ({"replica_weights": [1.0]}, "fault_tolerance.replica_weights"),  # dp = 2 entries needed
         ({"replica_weights": [1.0, 0.0]}, "fault_tolerance.replica_weights"),
         ({"replica_weights": [1.0, 1.0], "spare_replicas": 1}, "fault_tolerance.replica_weights"),  # spares too

@@ -168,21 +168,35 @@ def test_after_a_clean_finish_only_the_later_records_are_replayed(tmp_path: Path
     assert read_logged_step(tmp_path) == 4
 
 
-def test_a_relaunch_does_not_send_wandb_the_steps_it_computes_again(tmp_path: Path, fake_wandb: _FakeWandb) -> None:
-    """A job killed after step 5 and resumed from the snapshot of step 3: the relaunch starts wandb during setup
-    (the trainer does), which replays the JSONL to step 5; steps 4 and 5 then come again, with the same numbers,
-    and wandb, whose steps only increase, would drop step 4 with a warning."""
+def test_a_relaunch_logs_the_steps_it_computes_again_instead_of_replaying_them(tmp_path: Path,
+                                                                               fake_wandb: _FakeWandb) -> None:
+    """A job killed after step 5 and resumed from the snapshot of step 3. The relaunch starts wandb during set-up
+    (the trainer does) and logs its resume event at step 4, then steps 4-7. The replay must stop before step 4: had
+    it run at start-up it would reach step 5, and wandb, whose steps only increase, would drop the event and step 4
+    with a warning each."""
     first = fake_wandb.logger(tmp_path)
     for step in range(1, 6):
         first.log_step({"step": step, "loss": 10.0 - step})
     _die(first)
     with fake_wandb.logger(tmp_path) as relaunch:
-        relaunch.start_wandb()
+        assert relaunch.start_wandb() and fake_wandb.runs[1].rows == []  # started, nothing replayed yet
+        relaunch.log_event({"event": "local_snapshot", "step": 4, "bytes": 100})
         for step in range(4, 8):
             relaunch.log_step({"step": step, "loss": 10.0 - step})
-    assert [step for step, _ in fake_wandb.runs[1].rows] == [1, 2, 3, 4, 5, 5, 6, 7]  # the replay, then from 5 on
-    assert [r["step"] for r in read_metrics_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 4, 5, 6, 7]  # the JSONL keeps all
+    rows = fake_wandb.runs[1].rows
+    assert [step for step, _ in rows] == [1, 2, 3, 4, 4, 5, 6, 7]  # the replay to 3, then every new row
+    assert rows[3] == (4, {"local_snapshot/bytes": 100})
+    assert [r["step"] for r in read_metrics_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 4, 4, 5, 6, 7]  # the JSONL keeps all
     assert read_logged_step(tmp_path) == 7
+
+
+def test_a_step_below_the_last_one_sent_is_not_sent(tmp_path: Path, fake_wandb: _FakeWandb) -> None:
+    log = fake_wandb.logger(tmp_path)
+    log.log_step({"step": 5, "loss": 1.0})
+    log.log_step({"step": 4, "loss": 2.0})  # wandb would drop it, with a warning
+    log.log_step({"step": 5, "loss": 1.0})  # the same step again is a row wandb takes
+    log.close()
+    assert [step for step, _ in fake_wandb.runs[0].rows] == [5, 5]
 
 
 def test_wandb_failure_does_not_stop_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -320,6 +320,9 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
     if ft.recycle:
         _check(ft.keep_global_batch, "fault_tolerance.recycle",
                "needs keep_global_batch: true (a recycled replica computes the samples of a slot)")
+    _check(ft.straggler_action != "evict" or ft.spare_replicas > 0 or (ft.recycle and config.ranks_per_replica > 1),
+           "fault_tolerance.straggler_action", "evict needs a spare to take the straggler's slot: spare_replicas "
+           "> 0, or recycle with more than one rank per replica (a one-rank replica leaves nobody to recycle)")
 
 
 def _validate_rebalance(config: RecoverConfig) -> None:

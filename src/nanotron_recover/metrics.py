@@ -14,10 +14,11 @@ that takes over, a relaunch) first re-logs every JSONL record with a step after 
 there is no sidecar) and before the step it is about to log (:func:`wandb_replay`). After a clean handover
 that is nothing; after a SIGKILL it may re-send rows the dead process did persist (wandb ignores a row whose
 step is not above its run's current step when the halves are synced into one run; not checked against a
-server here, this machine is offline). A row is never missing. A step below the last one this process handed to
-wandb is not sent again: after a relaunch from a node-local snapshot, the replay at start-up reaches the last
-logged step and the first steps are then computed again, with the same numbers (the trajectory is kept); wandb
-would drop each of them with a warning.
+server here, this machine is offline). A row is never missing. The replay stops before the first record the new
+process logs, also when wandb was started ahead of it (:meth:`MetricsLogger.start_wandb`, during set-up): a
+relaunch from a node-local snapshot computes again the steps after the snapshot, and those rows (the same numbers:
+the trajectory is kept) are logged as they come. A step below the last one this process handed to wandb is never
+sent (wandb's steps only increase: it would drop the row with a warning).
 The replay costs about 0.3 ms a record (10,000 records in ~3 s offline on this CPU), once per takeover.
 
 wandb is optional at run time: it is imported lazily (the import alone costs ~0.7 s) and any wandb failure
@@ -106,6 +107,7 @@ class MetricsLogger:
         self._wandb_run: Any = None
         self._wandb_failed = False
         self._wandb_last_step: int | None = None  # the last step this process handed to wandb.log
+        self._replay_pending = False  # wandb was started ahead of the first record: replay at that record
         self.set_logging(enabled)
 
     # -- logging rank -------------------------------------------------------------------------------------------
@@ -125,9 +127,11 @@ class MetricsLogger:
         return self._wandb_run is not None
 
     def start_wandb(self) -> bool:
-        """Start wandb now (otherwise it starts on the first record); True when a run is active."""
+        """Start wandb now (otherwise it starts on the first record); True when a run is active. The replay of the
+        JSONL waits for the first record, whose step bounds it: a relaunch computes again the steps after its
+        snapshot, and those are then logged as they come, not replayed from the run before."""
         if self.enabled:
-            self._ensure_wandb()
+            self._ensure_wandb(replay=False)
         return self._wandb_run is not None
 
     # -- records ----------------------------------------------------------------------------------------------
@@ -168,13 +172,23 @@ class MetricsLogger:
     def _sent(self, step: int) -> None:
         self._wandb_last_step = step if self._wandb_last_step is None else max(self._wandb_last_step, step)
 
-    def _ensure_wandb(self, before_step: Any = None) -> Any:
+    def _ensure_wandb(self, before_step: Any = None, replay: bool = True) -> Any:
+        if self._wandb_run is not None and self._replay_pending and replay:
+            with self.slow_io():
+                self._replay_pending = False
+                self._safe_replay(before_step)
         if self._wandb_run is not None or self._wandb_failed or self.wandb_config is None:
             return self._wandb_run
         with self.slow_io():
-            return self._start_wandb(before_step)
+            return self._start_wandb(before_step, replay)
 
-    def _start_wandb(self, before_step: Any) -> Any:
+    def _safe_replay(self, before_step: Any) -> None:
+        try:
+            self._replay(self._wandb_run, before_step)
+        except Exception as exc:  # a partial replay only leaves a gap in the wandb copy
+            logger.warning("metrics: wandb replay from %s failed (%s: %s)", self.path, type(exc).__name__, exc)
+
+    def _start_wandb(self, before_step: Any, replay: bool) -> Any:
         try:
             kwargs = {k: v for k, v in self.wandb_config.items() if k in _WANDB_INIT_KEYS}
             unknown = sorted(set(self.wandb_config) - set(_WANDB_INIT_KEYS))
@@ -193,10 +207,10 @@ class MetricsLogger:
             logger.warning("metrics: wandb disabled (%s: %s); metrics still go to %s", type(exc).__name__, exc,
                            self.path)
             return None
-        try:
-            self._replay(self._wandb_run, before_step)
-        except Exception as exc:  # a partial replay only leaves a gap in the wandb copy
-            logger.warning("metrics: wandb replay from %s failed (%s: %s)", self.path, type(exc).__name__, exc)
+        if replay:
+            self._safe_replay(before_step)
+        else:
+            self._replay_pending = True  # at the first record (:meth:`start_wandb`)
         return self._wandb_run
 
     def _to_wandb(self, record: Mapping[str, Any]) -> None:

@@ -14,10 +14,11 @@ import torch
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.recovery.rebalancing import SNAPSHOT_ENTRIES
+from nanotron_recover.recovery.rebalancing import SNAPSHOT_ENTRIES, StepStats
 from nanotron_recover.recovery.resilient import ResilientDataParallel
 from nanotron_recover.strategy import LocalWork
 from nanotron_recover.workload.planner import plan_step
+from nanotron_recover.workload.spares import ReplicaRoster
 from tests.conftest import make_tiny_config
 from tests.recovery.test_resilient_logic import InMemoryWorld, Sink, Training, committed_gradient, services
 
@@ -104,24 +105,57 @@ def test_a_persistent_straggler_is_drained_and_logged() -> None:
     assert step(strategy, world, training, 4, {1: (3, SECONDS)}).quotas == {0: 3, 1: 3, 2: 0}
 
 
-@pytest.mark.parametrize("spares", [0, 1])
-def test_a_persistent_straggler_is_evicted_only_when_an_idle_spare_can_take_its_slot(spares: int) -> None:
-    strategy, world, training = make(dp=3, spares=spares, straggler_factor=2.0, straggler_steps=2,
+def test_a_persistent_straggler_with_an_idle_spare_is_evicted() -> None:
+    strategy, world, training = make(dp=3, spares=1, straggler_factor=2.0, straggler_steps=2,
                                      straggler_action="evict")
     for s in (1, 2, 3):
         result = step(strategy, world, training, s, {1: (2, SECONDS), 2: (2, 4 * SECONDS)})
-    assert result.balance["drained"] == [2]  # quota 0 from the next step on, either way
-    assert result.balance.get("evicting", []) == ([2] if spares else [])
-    stats = strategy.step_stats
-    if spares:
-        with pytest.raises(StragglerEvicted, match="replica 2 evicted as a persistent straggler before step 4"):
-            stats.leave_if_evicted(2, 4)  # what replica 2's ranks do as step 4 begins
-    else:
-        stats.leave_if_evicted(2, 4)  # no spare: it stays, drained
-    stats.leave_if_evicted(0, 4)  # a healthy replica carries on
-    stats.leave_if_evicted(None, 4)  # and so does a pool rank
+    assert result.balance["drained"] == [2] and result.balance["evicting"] == [2]
+    stats, roster = strategy.step_stats, strategy.roster
+    with pytest.raises(StragglerEvicted, match="replica 2 evicted as a persistent straggler before step 4"):
+        stats.leave_if_evicted(2, 4, roster)  # what replica 2's ranks do as step 4 begins
+    stats.leave_if_evicted(0, 4, roster)  # a healthy replica carries on
+    stats.leave_if_evicted(None, 4, roster)  # and so does a pool rank
     assert step(strategy, world, training, 4, {1: (3, SECONDS)}).quotas == {0: 3, 1: 3, 2: 0}
 
+
+def test_a_straggler_whose_spare_was_used_by_a_failure_meanwhile_stays_drained() -> None:
+    """The eviction is chosen as step 3 commits; a replica dies before step 4 begins (in the update, a save, a
+    snapshot) and the spare takes its slot: the straggler must not leave too (nobody would take its slot)."""
+    strategy, world, training = make(dp=3, spares=1, straggler_factor=2.0, straggler_steps=2,
+                                     straggler_action="evict")
+    for s in (1, 2, 3):
+        result = step(strategy, world, training, s, {1: (2, SECONDS), 2: (2, 4 * SECONDS)})
+    assert result.balance["evicting"] == [2]
+    strategy.roster.on_failure([1])  # spare 3 takes slot 1
+    strategy.step_stats.leave_if_evicted(2, 4, strategy.roster)  # stays: no raise
+    assert strategy.step_stats.evicting == set() and strategy.step_stats.balancer.drained == {2}
+
+
+def test_a_drained_straggler_leaves_once_a_spare_appears() -> None:
+    """Drained while no spare was idle (the configured one was used up); later a replica formed by recycling waits
+    as a spare (every slot held): the next committed step chooses the eviction. The step's world-wide sums are
+    filled in as the replicas' local ranks 0 would (one contributor per entry)."""
+    config = config_from_dict(make_tiny_config(dp=3, accumulation=2, steps=6, fault_tolerance={
+        "enabled": True, "spare_replicas": 1, "straggler_factor": 2.0, "straggler_steps": 2,
+        "straggler_action": "evict"}))
+    stats, roster = StepStats(config), ReplicaRoster(active=[0, 1, 2], spares=[3])
+    roster.on_failure([1])  # spare 3 takes slot 1
+
+    def observe(per_slot: dict[int, tuple[int, float]]) -> dict:
+        stats.stats[:] = 0.0
+        for slot, (n, seconds) in per_slot.items():
+            stats.stats[2 + slot], stats.stats[2 + stats.slots + slot] = n * seconds, n
+        return stats.observe(roster)
+
+    for _ in range(3):
+        record = observe({0: (2, SECONDS), 1: (2, SECONDS), 2: (2, 4 * SECONDS)})
+    assert record["drained"] == [2] and "evicting" not in record
+    stats.leave_if_evicted(2, 4, roster)  # nothing to leave for
+    assert roster.add_replica(5) is None  # a formed replica, waiting as a spare
+    assert observe({0: (3, SECONDS), 1: (3, SECONDS)})["evicting"] == [2]
+    with pytest.raises(StragglerEvicted):
+        stats.leave_if_evicted(2, 5, roster)
 
 def test_two_stragglers_and_one_spare_evict_the_lower_id_and_drain_the_other() -> None:
     strategy, world, training = make(dp=5, spares=1, straggler_factor=2.0, straggler_steps=2,

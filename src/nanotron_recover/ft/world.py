@@ -274,10 +274,7 @@ class FTWorld:
     def barrier(self) -> None:
         c = self._comm("world")
         with self._guard("barrier", c):
-            if self.mpi_wait == "poll":
-                wait_asleep(c.Ibarrier())
-            else:
-                c.Barrier()
+            self._barrier(c)
 
     def agree(self, flag: bool = True, epoch: int | None = None) -> bool:
         """The commit point: uniform AND of ``flag`` over all live ranks.
@@ -493,7 +490,7 @@ class FTWorld:
         if had or self.evicted:
             if self.world_comm is not None:  # the hang monitor still runs: a rank frozen now cannot block this
                 try:
-                    self.world_comm.Barrier()
+                    self._barrier(self.world_comm)
                 except MPI.Exception:
                     pass
             self._stop_hang_monitor()
@@ -551,6 +548,13 @@ class FTWorld:
                 raise self._failed(op, comm, error_class(exc), str(exc)) from exc
             finally:
                 self.progress.resume()
+
+    def _barrier(self, comm: MPI.Comm) -> None:
+        """A barrier in this world's wait mode (MPI never matches a blocking barrier with a peer's nonblocking one)."""
+        if self.mpi_wait == "poll":
+            wait_asleep(comm.Ibarrier())
+        else:
+            comm.Barrier()
 
     def _arrive(self, comm: MPI.Comm) -> None:
         """In ``poll`` mode: sleep until every member of ``comm`` has reached this collective (see :mod:`.waiting`)."""

@@ -125,7 +125,7 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
     except ReplicaEvicted as e:
         code, reason = _leave_evicted(dp, e)
     except StragglerEvicted as e:
-        code, reason = _leave_as_straggler(dp, trainer, e)
+        code, reason = _leave_as_straggler(dp, e)
     except BelowMinimumReplicas as e:
         code, reason = _stop_below_minimum(dp, trainer, e)
     except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
@@ -158,12 +158,12 @@ def _leave_evicted(dp: ProcessLifecycle, e: ReplicaEvicted, after: str = "") -> 
     return EXIT_DONE, f"evicted{after}: {e}"
 
 
-def _leave_as_straggler(dp: Any, trainer: Any, e: StragglerEvicted) -> tuple[int, str]:
-    """Leave the world without a word: the others see this replica's ranks die, repair around them and activate
-    the spare promised to its slot (the straggler had quota 0 already: nothing is orphaned)."""
+def _leave_as_straggler(dp: Any, e: StragglerEvicted) -> tuple[int, str]:
+    """Leave the world without a word, at once: the others, blocked on this rank in the step's reduction, see its
+    ranks die, repair around them and activate the spare promised to its slot (the straggler had quota 0 already:
+    nothing is orphaned). A logging rank does not finish wandb (seconds): its JSONL lines are flushed as written,
+    and the next logging rank replays them into wandb."""
     print(f"[nanotron-recover] rank {dp.ft.rank}: {e}", flush=True)
-    if trainer is not None:
-        trainer.metrics.close()  # the logging rank's wandb run ends here; the next lowest rank takes over
     dp.ft.leave()
     return EXIT_DONE, f"evicted: {e}"
 

@@ -80,9 +80,8 @@ class StepStats:
         by_slot = {slot: roster.replica_in_slot(slot) for slot in roster.active_slots()}
         seconds = {r: float(self.stats[2 + s]) for s, r in by_slot.items()}
         counts = {r: int(round(self.stats[2 + self.slots + s])) for s, r in by_slot.items()}
-        drained_before = set(self.balancer.drained)
         self.balancer.observe(seconds, counts, computing=sorted(by_slot.values()))
-        evicted = self._evict(sorted(self.balancer.drained - drained_before), roster)
+        evicted = self._evict(roster)
         record: dict[str, Any] = {
             "compute_s": {str(r): round(s, 6) for r, s in sorted(seconds.items()) if counts[r] > 0},
             "speeds": {str(r): round(v, 3) for r, v in self.balancer.speeds(list(by_slot.values())).items()},
@@ -93,20 +92,28 @@ class StepStats:
             record["evicting"] = evicted
         return record
 
-    def leave_if_evicted(self, replica: int | None, step: int) -> None:
-        """On the ranks of a replica chosen for eviction: raise :class:`StragglerEvicted` (called as the next step
-        begins, after the commit, checkpoint and snapshot of the step that chose it, which it took part in)."""
+    def leave_if_evicted(self, replica: int | None, step: int, roster: ReplicaRoster) -> None:
+        """Called by every rank as a step begins (after the commit, checkpoint and snapshot of the step that chose
+        the eviction, which the straggler took part in): the evictions still backed by an idle spare stand (a
+        failure since may have used the spare: the straggler then stays, drained); on the ranks of an evicted
+        replica, raise :class:`StragglerEvicted`. Every rank has applied the same repairs by now: the same roster."""
+        if not self.evicting:
+            return
+        leaving = sorted(r for r in self.evicting if r in roster.active)
+        self.evicting = set(leaving[:len(roster.spares)])
         if replica is not None and replica in self.evicting:
             raise StragglerEvicted(replica, step)
 
-    def _evict(self, newly_drained: list[int], roster: ReplicaRoster) -> list[int]:
-        """``straggler_action: evict``: the newly drained replicas that leave as failed, in id order, while an idle
-        spare is left for each (the ones still leaving have one promised); the others stay drained. Evicting with
-        no spare would lose the same capacity as draining and free nothing."""
+    def _evict(self, roster: ReplicaRoster) -> list[int]:
+        """``straggler_action: evict``: drained replicas (new or earlier ones) that leave as failed, in id order,
+        while an idle spare is left for each (the ones already leaving have one promised); the others stay drained
+        and may leave when a spare appears (e.g. a replica formed by recycling). Evicting with no spare would lose
+        the same capacity as draining and free nothing."""
         if not self.evicts:
             return []
+        candidates = sorted(r for r in self.balancer.drained if r in roster.active and r not in self.evicting)
         promised = len(self.evicting & set(roster.active))
-        chosen = newly_drained[:max(len(roster.spares) - promised, 0)]
+        chosen = candidates[:max(len(roster.spares) - promised, 0)]
         self.evicting.update(chosen)
         return chosen
 

@@ -157,7 +157,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
     # ------------------------------------------------------------------------------------------------- step
     def forward_backward_reduce(self, step: int, services: StepServices) -> CommittedStep:
         self._step_started = time.monotonic()
-        self.step_stats.leave_if_evicted(self.replica, step)  # straggler_action: evict
+        self.step_stats.leave_if_evicted(self.replica, step, self.roster)  # straggler_action: evict
         plan = self._plan(step)
         todo = plan.get(self.replica, [])
         work = LocalWork()

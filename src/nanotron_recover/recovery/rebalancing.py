@@ -99,10 +99,13 @@ class StepStats:
         replica, raise :class:`StragglerEvicted`. Every rank has applied the same repairs by now: the same roster."""
         if not self.evicting:
             return
-        leaving = sorted(r for r in self.evicting if r in roster.active)
-        self.evicting = set(leaving[:len(roster.spares)])
+        self._keep_backed(roster)
         if replica is not None and replica in self.evicting:
             raise StragglerEvicted(replica, step)
+
+    def _keep_backed(self, roster: ReplicaRoster) -> None:
+        """Keep the evictions of replicas still active that an idle spare backs, lowest ids first."""
+        self.evicting = set(sorted(r for r in self.evicting if r in roster.active)[:len(roster.spares)])
 
     def _evict(self, roster: ReplicaRoster) -> list[int]:
         """``straggler_action: evict``: drained replicas (new or earlier ones) that leave as failed, in id order,
@@ -111,9 +114,9 @@ class StepStats:
         the same capacity as draining and free nothing."""
         if not self.evicts:
             return []
+        self._keep_backed(roster)
         candidates = sorted(r for r in self.balancer.drained if r in roster.active and r not in self.evicting)
-        promised = len(self.evicting & set(roster.active))
-        chosen = candidates[:max(len(roster.spares) - promised, 0)]
+        chosen = candidates[:len(roster.spares) - len(self.evicting)]
         self.evicting.update(chosen)
         return chosen
 

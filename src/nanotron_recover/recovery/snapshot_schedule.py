@@ -37,7 +37,7 @@ def young_steps(cost_s: float, step_s: float, mtbf_s: float, max_interval: int) 
 
 def young_interval(cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> int:
     """Steps between snapshots by Young's rule, rounded, in ``[1, max_interval]``."""
-    return max(1, min(max_interval, round(young_steps(cost_s, step_s, mtbf_s, max_interval))))
+    return round(young_steps(cost_s, step_s, mtbf_s, max_interval))
 
 
 def next_interval(current: int, cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> int:
@@ -45,7 +45,7 @@ def next_interval(current: int, cost_s: float, step_s: float, mtbf_s: float, max
     steps = young_steps(cost_s, step_s, mtbf_s, max_interval)
     if current / DEAD_BAND <= steps <= current * DEAD_BAND:
         return current
-    return max(1, min(max_interval, round(steps)))
+    return round(steps)  # within [1, max_interval] already
 
 
 @dataclass

@@ -113,6 +113,23 @@ def test_unknown_top_level_key_is_rejected_by_nanotron_strictness():
         config_from_dict(raw)
 
 
+@pytest.mark.parametrize("section", ["checkpoints", "tokens", "optimizer", "fault_tolerance"])
+def test_an_unknown_key_lists_every_key_of_its_section(section):
+    import dataclasses
+    import typing
+
+    from nanotron_recover.config import RecoverConfig
+
+    raw = copy.deepcopy(stock_dict())
+    raw.setdefault(section, {})["bogus_key"] = 1
+    with pytest.raises(ConfigError, match="bogus_key") as caught:
+        config_from_dict(raw)
+    hint = typing.get_type_hints(RecoverConfig)[section]
+    kind = next(c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c))
+    missing = [f.name for f in dataclasses.fields(kind) if f.name not in str(caught.value)]
+    assert missing == [], f"{section}: keys not listed: {missing}"
+
+
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

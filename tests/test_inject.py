@@ -122,3 +122,14 @@ def test_slowdown_sleeps_after_the_fastest_call_not_a_contended_one() -> None:
 def test_slow_entries_need_a_factor_above_1(bad: dict) -> None:
     with pytest.raises(ValueError, match="factor|phase"):
         parse_schedule([bad])
+
+
+def test_a_nan_entry_poisons_one_forward_and_signals_nothing(tmp_path) -> None:
+    injector = FailureInjector([{"step": 3, "replica": 0, "rank": 0, "phase": "forward", "signal": "nan"}], 0, 0,
+                               run_dir=tmp_path)
+    injector.maybe_fail(3, "backward")
+    assert not injector.take_poison()
+    injector.maybe_fail(3, "forward")  # returns: this process is not signalled
+    assert injector.take_poison() and not injector.take_poison()  # one forward only
+    with pytest.raises(ValueError, match="phase forward"):
+        FailureSpec.from_dict({"step": 3, "replica": 0, "phase": "backward", "signal": "nan"})

@@ -98,11 +98,12 @@ def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2
 
 def test_the_launcher_exit_code_follows_the_run_not_mpirun(tmp_path: Path) -> None:
     """A start-up timeout ends the job with every rank's record saying 3 while mpirun returns 1: restart (3), so a
-    wrapper or a requeue relaunches it; only a rank that aborted on a bug makes it 1; a finished run is 0."""
+    wrapper or a requeue relaunches it; a rank that aborted on a bug makes it 2 (a person must look, as for bad
+    input); a finished run is 0."""
     assert _judged(tmp_path / "startup", 1, [3, 3]) == 3
     assert _judged(tmp_path / "torn", 0, []) == 3  # a lost node's daemon: mpirun 0, no records
     assert _judged(tmp_path / "killed", 137, []) == 3
-    assert _judged(tmp_path / "bug", 1, [1, 3]) == 1
+    assert _judged(tmp_path / "bug", 1, [1, 3]) == 2
     assert _judged(tmp_path / "badinput", 2, []) == 2
     assert _judged(tmp_path / "done", 1, [0, 0], last_step=10, saved=10) == 0
     assert _judged(tmp_path / "final-save-lost", 1, [0, 0], last_step=10, saved=8) == 3

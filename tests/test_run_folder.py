@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,7 @@ def test_resumed_from_is_one_less_than_the_first_logged_step() -> None:
 @pytest.mark.parametrize(
     "logged, rc, verdict, code",
     [(4, 0, "done", EXIT_DONE), (3, 0, "restart", EXIT_RESTART), (3, 3, "restart", EXIT_RESTART),
-     (0, 2, "badinput", EXIT_BAD_INPUT)],
+     (0, 2, "needs_person", EXIT_BAD_INPUT)],
 )
 def test_slurm_outcome_helper(tmp_path: Path, logged: int, rc: int, verdict: str, code: int) -> None:
     lines = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, logged + 1))
@@ -157,3 +158,25 @@ def test_a_run_that_checkpoints_is_done_only_once_its_last_step_is_on_disk(tmp_p
     assert run_outcome(tmp_path, 8, 0, needs_final_checkpoint=False)[0] == "done"  # a run that keeps no checkpoints
     (tmp_path / "checkpoints" / "latest.txt").write_text("8\n")
     assert run_outcome(tmp_path, 8, 0, needs_final_checkpoint=True)[0] == "done"
+
+
+def test_the_same_startup_failure_stops_requeueing_on_the_third_launch(tmp_path: Path) -> None:
+    """Launches that end in a restart without committing a step, for the same reasons, count up across launchers
+    (the count lives in the run folder); a launch judged twice counts once; a step committed resets the count."""
+    from nanotron_recover.run_folder import begin_launch, judge_launch
+
+    def launch(reason: str, stepped: bool = False) -> str:
+        begin_launch(tmp_path, {"by": "test"})
+        if stepped:
+            _write(tmp_path, json.dumps({"step": 1, "loss": 1.0, "time": time.time()}) + "\n")
+        record_exit(tmp_path, 0, EXIT_RESTART, reason)
+        verdict = judge_launch(tmp_path, 10, 3, max_startup_failures=3)[0]
+        assert judge_launch(tmp_path, 10, 3, max_startup_failures=3)[0] == verdict  # judged again: same answer
+        return verdict
+
+    assert launch("rank(s) [3] died during start-up") == "restart"
+    assert launch("rank(s) [3] died during start-up") == "restart"
+    assert launch("rank(s) [5] died during start-up") == "needs_person"  # digits aside, the same failure
+    assert launch("start-up failed: another reason") == "restart"
+    assert launch("start-up failed: another reason", stepped=True) == "restart"
+    assert launch("start-up failed: another reason") == "restart"  # the count began again after the step

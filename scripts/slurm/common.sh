@@ -104,7 +104,7 @@ recover_run() {
         recover_log "mpirun rc $rc -> $verdict"
         case $verdict in
             done*) return 0 ;;
-            badinput*) exit 2 ;;
+            needs_person*|aborted*) exit 2 ;;
         esac
         restarts=$(( ${SLURM_RESTART_COUNT:-0} + attempt ))
         if (( restarts >= MAX_RESTARTS )); then

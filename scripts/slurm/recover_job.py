@@ -15,8 +15,10 @@
                  restart   3   not finished: the trainer stopped below min_replicas (mpirun rc 3) or the whole
                                job died (every replica lost, a lost node's daemon: mpirun rc 0, a crash); a
                                relaunch resumes from the checkpoint
-                 badinput  2   the trainer rejected its input (rc 2): relaunching cannot help
-                 aborted   1   a rank recorded that it aborted the job on an error (a bug): relaunching
+                 needs_person  2   a person must act: bad input, damaged state with no intact
+                               fallback, a full disk, a non-finite step, or the same start-up failure on
+                               $NANOTRON_RECOVER_MAX_STARTUP_FAILURES (3) launches in a row
+                 aborted   2   a rank recorded that it aborted the job on an error (a bug): relaunching
                                would meet it again
 
 The run is judged by what it wrote, not by ``mpirun``'s exit code alone: under ``--with-ft ulfm`` mpirun may
@@ -35,7 +37,7 @@ from typing import Sequence
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
 from nanotron_recover.exit_codes import EXIT_BAD_INPUT
 from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
-from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, run_outcome
+from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, judge_launch
 
 
 def _load_config(argv: Sequence[str], command: str):
@@ -100,8 +102,8 @@ def _outcome(argv: Sequence[str]) -> int:
     parser.add_argument("--needs-final-checkpoint", type=int, choices=(0, 1), default=0,
                         help="1: done only once the last step is checkpointed (the run has a checkpoints section)")
     args = parser.parse_args(argv)
-    verdict, detail = run_outcome(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path,
-                                  needs_final_checkpoint=bool(args.needs_final_checkpoint))
+    verdict, detail = judge_launch(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path,
+                                   needs_final_checkpoint=bool(args.needs_final_checkpoint))
     print(verdict, detail)
     return OUTCOME_EXIT_CODES[verdict]
 

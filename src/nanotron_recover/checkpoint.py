@@ -20,7 +20,24 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from nanotron.serialize import load_weights, save_meta, save_weights
 from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
 
+from nanotron_recover.checkpoint_integrity import (
+    CHECKSUM_KIND,
+    FILES_KEY,
+    STATE_FILE,
+    manifest,
+    sealed_state_text,
+)
+from nanotron_recover.checkpoint_resume import (  # noqa: F401 - resolve_checkpoint: the checkpoints' public helper
+    LATEST,
+    ResumeChoice,
+    StartupPeers,
+    choose_intact,
+    latest_step,
+    resolve_checkpoint,
+)
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.disk_space import DiskFull, is_disk_full, written_path
+from nanotron_recover.exit_codes import NeedsPerson
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
 from nanotron_recover.run_folder import fsync_dir, write_atomically
 
@@ -29,8 +46,6 @@ install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "c
 if TYPE_CHECKING:
     from nanotron_recover.training_state import TrainingState
 
-LATEST = "latest.txt"
-STATE_FILE = "trainer_state.json"
 LAYOUT_NANOTRON = "nanotron"  # trainer_state.json "layout" values (absent in older checkpoints: nanotron)
 LAYOUT_HSDP = "hsdp"
 
@@ -44,19 +59,6 @@ def _fsync_tree(folder: Path) -> None:
             os.close(fd)
     fsync_dir(folder)
 
-
-
-def resolve_checkpoint(path: Path) -> Path | None:
-    """A checkpoint folder, or a folder holding ``latest.txt`` -> the checkpoint it names (None if none).
-
-    A ``latest.txt`` that names no complete checkpoint is an error: silently starting from step 0 would lose data.
-    """
-    if (path / LATEST).is_file():
-        named = path / (path / LATEST).read_text().strip()
-        if not (named / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{path / LATEST} names {named}, which is not a complete checkpoint")
-        return named
-    return path if (path / STATE_FILE).is_file() else None
 
 
 class CheckpointLayout(Protocol):
@@ -161,9 +163,23 @@ class CheckpointManager:
         if not writer:
             return
         tmp = self.root / f".tmp-step-{step}"
+        if (self.root / str(step) / STATE_FILE).is_file():
+            # saved already: the fallback save right after an interval save, or a relaunch that adopted a folder
+            # whose pointer was never written (the pointer follows)
+            if publisher and (latest_step(self.root) or 0) < step:
+                write_atomically(self.root / LATEST, f"{step}\n", durable=True)
+            return
+        try:
+            self._write_and_publish(trainer, step, tmp, barrier, publisher, extra_state)
+        except Exception as e:
+            if not is_disk_full(e, self.root):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays: it holds the space a person must free
+            raise DiskFull(written_path(e, tmp), e) from e
+
+    def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
+                           publisher: bool, extra_state: dict | None) -> None:
         final = self.root / str(step)
-        if (final / STATE_FILE).is_file():
-            return  # this step is saved already (e.g. the fallback save right after an interval save)
         if publisher:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -180,34 +196,32 @@ class CheckpointManager:
             "dtype": dtype_name(self.config),
             **layout_state(self.config),
             **(extra_state or {}),
+            "checksum": CHECKSUM_KIND,
+            FILES_KEY: manifest(tmp),  # read back from the page cache: the files just written
         }
-        write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2), durable=True)
+        write_atomically(tmp / STATE_FILE, sealed_state_text(state), durable=True)
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)
         fsync_dir(self.root)
         write_atomically(self.root / LATEST, f"{step}\n", durable=True)
 
-    def resume_source(self) -> Path | None:
-        """The explicit ``resume_checkpoint_path`` if set, else this run's own latest checkpoint (auto-resume)."""
-        if self.resume_path is not None:
-            found = resolve_checkpoint(self.resume_path)
-            if found is None:
-                raise FileNotFoundError(f"checkpoints.resume_checkpoint_path: no checkpoint at {self.resume_path}")
-            return found
-        return self.latest()
+    def choose(self, peers: StartupPeers) -> ResumeChoice:
+        """Collective at start-up: the newest intact checkpoint (:mod:`nanotron_recover.checkpoint_resume`)."""
+        return choose_intact(self.root, self.resume_path, peers)
 
-    def source_step(self) -> int | None:
-        """The step of the checkpoint :meth:`maybe_resume` would load (None: it would start from scratch)."""
-        source = self.resume_source()
-        return None if source is None else int(json.loads((source / STATE_FILE).read_text())["step"])
-
-    def maybe_resume(self, trainer: "TrainingState") -> int:
-        """Load model, optimizer and LR scheduler from the resume source; return the step to continue after."""
-        source = self.resume_source()
-        if source is None:
-            return 0
+    def load(self, trainer: "TrainingState", choice: ResumeChoice, peers: StartupPeers) -> int:
+        """Collective: load the chosen checkpoint into model, optimizer and LR scheduler; return its step. A read
+        that fails on any rank (an older checkpoint without checksums, damaged) ends the job for a person."""
+        source = choice.path
+        assert source is not None and choice.step is not None
         check_resumable(source, self.config)
-        self.layout.read(trainer, source)
-        state = json.loads((source / STATE_FILE).read_text())
-        print(f"[nanotron-recover] resumed from {source} at step {state['step']}", flush=True)
-        return int(state["step"])
+        try:
+            self.layout.read(trainer, source)
+            error = None
+        except Exception as e:  # noqa: BLE001 - whatever the format's reader raises on a damaged file
+            error = f"{source} cannot be loaded: {type(e).__name__}: {e}"
+        errors = [e for e in peers.gather_at_startup(error) if e]
+        if errors:
+            raise NeedsPerson("damaged checkpoint", errors[0], file=str(source))
+        print(f"[nanotron-recover] resumed from {source} at step {choice.step}", flush=True)
+        return choice.step

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Union
@@ -216,11 +217,36 @@ def _fault_tolerance_from_dict(section: Any) -> Optional[FaultToleranceArgs]:
         raise ConfigError(f"fault_tolerance.{e.field_path}: missing value") from None
 
 
+def _dataclass_of(hint: Any) -> Any:
+    """The dataclass inside ``X`` or ``Optional[X]`` (None if there is none)."""
+    candidates = [hint, *typing.get_args(hint)]
+    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+
+
+def _check_section_keys(raw: dict) -> None:
+    """An unknown top-level section, or an unknown key in one, is named with every key that is allowed there
+    (nanotron's own loader says only 'can not match "x" to any data class field')."""
+    hints = typing.get_type_hints(RecoverConfig)
+    sections = [f.name for f in dataclasses.fields(RecoverConfig)]
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown section(s) {unknown}; allowed: {', '.join(sections)}")
+    for name in sections:
+        kind = _dataclass_of(hints[name])
+        if name == "fault_tolerance" or kind is None or not isinstance(raw.get(name), dict):
+            continue
+        allowed = [f.name for f in dataclasses.fields(kind)]
+        extra = sorted(set(raw[name]) - set(allowed))
+        if extra:
+            raise ConfigError(f"{name}: unknown key(s) {extra}; allowed: {', '.join(allowed)}")
+
+
 def config_from_dict(raw: dict) -> RecoverConfig:
     """Load a nanotron YAML dict (optionally with ``fault_tolerance:``) and validate it."""
     if not isinstance(raw, dict):
         raise ConfigError("the config file must hold a YAML mapping")
     raw = dict(raw)
+    _check_section_keys(raw)
     ft = _fault_tolerance_from_dict(raw.pop("fault_tolerance", None))
     config = get_config_from_dict(raw, config_class=RecoverConfig)
     if isinstance(config.model.model_config, dict):

@@ -13,6 +13,9 @@ within the replica and ``signal`` says what happens to the process:
   time per microbatch, at each microbatch's forward). Its replica-mates wait for it in their TP / PP / FSDP
   collectives, so the whole replica is slowed. Only time changes: the trajectory is the same. ``phase`` is not
   used; it lasts for the rest of the run (a relaunch is slowed again: it is the hardware).
+* ``nan`` (phase ``forward`` only): not a process fault but a non-finite microbatch: the rank's next forward
+  produces NaN (the trainer poisons a layer's output), as an overflow or a bad sample would. The step must not
+  be committed: the run ends for a person (``NeedsPerson``) with the last finite state kept.
 
 For ``reduce`` the reduction loop calls ``maybe_fail(step, "reduce")`` after its first bucket was sent, so the
 fault lands mid-reduction. Phase ``startup`` fires before the first step, at the point named by ``at``
@@ -39,7 +42,7 @@ from nanotron_recover import run_folder
 from nanotron_recover.phases import FAULT_PHASES
 
 PHASES = tuple(p.value for p in FAULT_PHASES)  # see nanotron_recover.phases for what each means
-SIGNALS = ("kill", "stop", "hang", "slow")
+SIGNALS = ("kill", "stop", "hang", "slow", "nan")
 # Where a ``startup`` fault lands, in start-up order.
 STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
 
@@ -81,6 +84,8 @@ class FailureSpec:
                 out.append(("phase", "signal slow slows the training steps: not phase startup"))
         elif self.factor is not None:
             out.append(("factor", "is only used with signal: slow"))
+        if self.signal == "nan" and self.phase != "forward":
+            out.append(("phase", f"signal nan poisons a forward: use phase forward, got {self.phase!r}"))
         return out
 
     @property
@@ -137,6 +142,7 @@ class FailureInjector:
         happens once per run. Without one, nothing is recorded."""
         self.schedule = parse_schedule(schedule)
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._poison = False  # a ``nan`` entry fired: the trainer poisons this forward
         self.retarget(my_replica, my_local_rank)
 
     def retarget(self, my_replica: int, my_local_rank: int) -> None:
@@ -150,6 +156,11 @@ class FailureInjector:
 
     def _fired(self, spec: FailureSpec) -> bool:
         return self.run_dir is not None and run_folder.fault_marker_path(self.run_dir, marker_name(spec)).is_file()
+
+    def take_poison(self) -> bool:
+        """Whether a ``nan`` entry fired since the last call (the current forward must produce NaN)."""
+        fired, self._poison = self._poison, False
+        return fired
 
     def targets_me(self) -> bool:
         return any(s.replica == self.my_replica and s.rank == self.my_local_rank for s in self.schedule)
@@ -178,6 +189,9 @@ class FailureInjector:
             f"pid {os.getpid()} at step {step} phase {phase} t={time.time():.6f}\n"
         )
         sys.stderr.flush()
+        if spec.signal == "nan":
+            self._poison = True
+            return
         if spec.signal == "hang":
             threading.Event().wait()  # the main thread never comes back; other threads keep running
         os.kill(os.getpid(), signal.SIGSTOP if spec.signal == "stop" else signal.SIGKILL)

@@ -16,10 +16,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
 from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.overrides import add_override_args, forwarded_args, load_effective_config
-from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, exit_reasons, ranks_wrote_since, run_outcome
+from nanotron_recover.run_folder import (
+    NEEDS_PERSON,
+    OUTCOME_EXIT_CODES,
+    begin_launch,
+    exit_reasons,
+    judge_launch,
+    ranks_wrote_since,
+)
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
@@ -96,7 +103,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.sharded_replicas:
         mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
-    return _judge(run_dir, config, launch_with_retries(cmd, run_dir))
+    return _judge(run_dir, config, launch_with_retries(cmd, run_dir), args.max_startup_failures)
 
 
 def launch_record(config: "RecoverConfig", by: str) -> dict:
@@ -140,23 +147,30 @@ def _run_forwarding_signals(cmd: list[str]) -> tuple[int, bytes]:
     import subprocess
     import threading
 
+    from nanotron_recover.output_filter import NoiseFilter, noise_summary
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     tail = bytearray()
     lock = threading.Lock()
+    filters = [NoiseFilter(), NoiseFilter()]
 
-    def pump(source, sink) -> None:
-        while chunk := os.read(source.fileno(), 65536):
+    def pump(source, sink, noise: NoiseFilter) -> None:
+        def write(data: bytes) -> None:
             try:
-                sink.write(chunk)
+                sink.write(data)
                 sink.flush()
             except (OSError, ValueError):  # our own output is gone: keep draining, or mpirun would block
                 pass
+
+        while chunk := os.read(source.fileno(), 65536):
+            write(noise.feed(chunk))
             with lock:
                 tail.extend(chunk)
                 del tail[:-OUTPUT_TAIL_BYTES]
+        write(noise.flush())
 
-    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
-             threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, filters[0]), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, filters[1]), daemon=True)]
     for thread in pumps:
         thread.start()
     forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
@@ -170,24 +184,32 @@ def _run_forwarding_signals(cmd: list[str]) -> tuple[int, bytes]:
             continue
     for thread in pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us here
         thread.join(5.0)
+    summary = noise_summary(sum(f.dropped for f in filters))
+    if summary is not None:
+        print(summary, file=sys.stderr, flush=True)
     with lock:
         return rc, bytes(tail)
 
 
-def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int) -> int:
+def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_failures: int | None = None) -> int:
     """The launcher's exit code, from what the run wrote, never from mpirun's code alone: under ``--with-ft ulfm``
     mpirun returns 0 when the whole job was torn down (a node's daemon lost) and 1 when a rank
     ended the job with the restart outcome (a start-up timeout). Any run that did not reach its last step and
-    whose ranks recorded no bug exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it."""
-    verdict, detail = run_outcome(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config),
-                                  needs_final_checkpoint=config.saves_final_checkpoint)
+    whose ranks recorded nothing a person must fix exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it;
+    the same start-up failure on ``max_startup_failures`` launches in a row exits 2 instead."""
+    verdict, detail = judge_launch(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config),
+                                   needs_final_checkpoint=config.saves_final_checkpoint,
+                                   max_startup_failures=max_startup_failures)
     if verdict == "restart":
         print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
               "resume from latest.txt", file=sys.stderr, flush=True)
     elif verdict == "aborted":
-        print(f"[nanotron-recover] a rank aborted the job on an error ({detail}): exit {EXIT_ABORTED}",
-              file=sys.stderr, flush=True)
-    if verdict in ("restart", "aborted"):
+        print(f"[nanotron-recover] a rank aborted the job on an error ({detail}): exit {EXIT_NEEDS_PERSON}, a person "
+              "must look (a relaunch would meet the same error)", file=sys.stderr, flush=True)
+    elif verdict == NEEDS_PERSON:
+        print(f"[nanotron-recover] the job cannot go on until a person acts ({detail}): exit {EXIT_NEEDS_PERSON}, "
+              "not requeued", file=sys.stderr, flush=True)
+    if verdict != "done":
         _say_why(run_dir)
     return OUTCOME_EXIT_CODES[verdict]
 
@@ -215,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="launch a training run under mpirun (ULFM when fault_tolerance is on)")
     add_override_args(train)
     train.add_argument("--dry-run", action="store_true", help="print the mpirun command line and exit")
+    train.add_argument("--max-startup-failures", type=int, default=None, metavar="N",
+                       help="exit 2 (not 3: no requeue) once the same start-up failure ended N launches of this run "
+                            "folder in a row (default: $NANOTRON_RECOVER_MAX_STARTUP_FAILURES or 3; 0: never)")
     train.set_defaults(func=_cmd_train)
     from nanotron_recover.data.prepare import add_prepare_arguments
 

@@ -8,6 +8,7 @@ One run folder (``--run-dir``) holds everything a run leaves behind, over all th
     exits/rank-<r>.json  how each rank of the current launch ended (``code``, ``reason``); a SIGKILLed rank leaves none
     launches.jsonl       one record per launch (time, world size, M, train steps, who launched it)
     launches/<n>/exits/  the exit records of launch n, moved there when launch n + 1 begins
+    outcomes.jsonl       how each launch was judged (done, restart, needs_person), for the start-up failure count
     injected/<name>      one JSON record per fired fault of the schedule, and a marker per fault sent from outside
     hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
     checkpoints/         nanotron checkpoints and ``latest.txt`` (the path is configurable)
@@ -27,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.disk_space import NEARLY_FULL_BYTES, free_bytes, full_disk_line
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
 
 METRICS_FILE = "metrics.jsonl"
 RUN_ID_FILE = "run_id.txt"
@@ -322,21 +324,26 @@ def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints")
 
 
 # ------------------------------------------------------------------------------------------------ outcome
-OUTCOME_EXIT_CODES = {"done": EXIT_DONE, "badinput": EXIT_BAD_INPUT, "aborted": EXIT_ABORTED, "restart": EXIT_RESTART}
+NEEDS_PERSON = "needs_person"
+OUTCOME_EXIT_CODES = {"done": EXIT_DONE, NEEDS_PERSON: EXIT_NEEDS_PERSON, "aborted": EXIT_NEEDS_PERSON,
+                      "restart": EXIT_RESTART}
+OUTCOMES_FILE = "outcomes.jsonl"
+MAX_STARTUP_FAILURES_ENV = "NANOTRON_RECOVER_MAX_STARTUP_FAILURES"
+DEFAULT_MAX_STARTUP_FAILURES = 3
 
 
 def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_path: str = "checkpoints", *,
                 needs_final_checkpoint: bool = False) -> tuple[str, str]:
-    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "badinput" | "aborted", detail)``.
+    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "needs_person" | "aborted", detail)``.
 
     ``done``: the last step (``train_steps``) was checkpointed, or, for a run that writes no checkpoints
     (``needs_final_checkpoint`` false), logged: a job torn down inside its final save logged every step but holds
-    an older model on disk, and a relaunch writes the final one. ``badinput``: mpirun returned 2 (the
-    trainer rejected its input; relaunching cannot help). ``aborted``: a rank's exit record says it aborted the
-    job on a bug (exit 1: the same error would come back). Else ``restart``: the trainer stopped below
-    ``min_replicas`` (rc 3), a start-up fault or an unresolvable hang ended the job (rc 3), or the job was torn
-    down from outside with mpirun returning 0: a lost node's daemon ends every rank on this Open MPI, and those
-    ranks leave no exit record (the detail counts the records).
+    an older model on disk, and a relaunch writes the final one. ``needs_person``: mpirun returned 2 or a rank
+    recorded 2 (bad input, damaged state with no intact fallback, a full disk, a non-finite step: relaunching
+    cannot help). ``aborted``: a rank's exit record says it aborted the job on a bug (exit 1: the same error
+    would come back). Else ``restart``: the trainer stopped below ``min_replicas`` (rc 3), a start-up fault or an
+    unresolvable hang ended the job (rc 3), or the job was torn down from outside with mpirun returning 0: a lost
+    node's daemon ends every rank on this Open MPI, and those ranks leave no exit record (the detail counts them).
     """
     last = last_logged_step(run_dir)
     ckpt = latest_checkpoint_step(run_dir, checkpoints_path)
@@ -344,10 +351,61 @@ def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_pat
     codes = sorted({int(e.get("code", -1)) for e in exits.values()})
     detail = (f"last logged step {last}/{train_steps}, mpirun rc {mpirun_rc}, latest checkpoint {ckpt}, "
               f"exit records {len(exits)} (codes {codes})")
+    if EXIT_NEEDS_PERSON in codes:  # even past the last step: the newest checkpoint was found damaged
+        return NEEDS_PERSON, detail
     if (ckpt is not None and ckpt >= train_steps) or (last >= train_steps and not needs_final_checkpoint):
         return "done", detail
-    if mpirun_rc == EXIT_BAD_INPUT or EXIT_BAD_INPUT in codes:
-        return "badinput", detail
+    if mpirun_rc == EXIT_NEEDS_PERSON:
+        return NEEDS_PERSON, detail
     if EXIT_ABORTED in codes:
         return "aborted", detail
     return "restart", detail
+
+
+def judge_launch(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_path: str = "checkpoints", *,
+                 needs_final_checkpoint: bool = False, max_startup_failures: int | None = None) -> tuple[str, str]:
+    """:func:`run_outcome`, recorded in ``outcomes.jsonl``; a restart that repeats a start-up failure (no step
+    committed by this launch, the same reasons as the launches before it) for the ``max_startup_failures``-th time
+    in a row becomes ``needs_person``: a requeue would meet it again, all night. The count lives in the run folder,
+    so it holds across Slurm requeues (each a new launcher)."""
+    verdict, detail = run_outcome(run_dir, train_steps, mpirun_rc, checkpoints_path,
+                                  needs_final_checkpoint=needs_final_checkpoint)
+    free = free_bytes(run_dir)
+    if verdict == "restart" and free is not None and free < NEARLY_FULL_BYTES:  # too full even for exit records
+        kept = f"latest checkpoint {latest_checkpoint_step(run_dir, checkpoints_path)}; {detail}"
+        return NEEDS_PERSON, full_disk_line(Path(run_dir), kept)
+    launches = read_launches(run_dir)
+    started = float(launches[-1]["time"]) if launches else 0.0
+    stepped = any(isinstance(r.get("time"), (int, float)) and r["time"] >= started
+                  for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r)
+    signature = "; ".join(sorted({re.sub(r"\d+", "#", str(e.get("reason", ""))) for e in read_exits(run_dir).values()}))
+    record = {"launch": len(launches), "verdict": verdict, "stepped": stepped, "signature": signature,
+              "time": time.time()}
+    append_line(Path(run_dir) / OUTCOMES_FILE, json.dumps(record))
+    limit = max_startup_failures if max_startup_failures is not None else max_startup_failures_setting()
+    repeated = repeated_startup_failures(read_metrics_jsonl(Path(run_dir) / OUTCOMES_FILE))
+    if verdict == "restart" and limit > 0 and repeated >= limit:
+        why = signature or "no exit record"
+        return NEEDS_PERSON, (f"the same start-up failure on {repeated} launches in a row ({why}): a relaunch would "
+                              f"meet it again; {detail}")
+    return verdict, detail
+
+
+def repeated_startup_failures(outcomes: Sequence[dict[str, Any]]) -> int:
+    """How many of the newest launches in a row ended in a restart without committing a step, for the same
+    reasons (0 if the newest did not)."""
+    by_launch = {record.get("launch"): record for record in outcomes}  # a launch judged twice counts once
+    outcomes = [by_launch[k] for k in sorted(by_launch, key=lambda k: k if isinstance(k, int) else -1)]
+    count = 0
+    for record in reversed(outcomes):
+        if record.get("verdict") != "restart" or record.get("stepped") or \
+                record.get("signature") != outcomes[-1].get("signature"):
+            break
+        count += 1
+    return count
+
+
+def max_startup_failures_setting() -> int:
+    """``NANOTRON_RECOVER_MAX_STARTUP_FAILURES`` (default 3; 0: never stop requeueing)."""
+    value = os.environ.get(MAX_STARTUP_FAILURES_ENV, "")
+    return int(value) if value.strip().isdigit() else DEFAULT_MAX_STARTUP_FAILURES

@@ -13,6 +13,8 @@ microbatch: the same math without DDP, which would reduce the bf16 gradients ins
 from __future__ import annotations
 
 import datetime
+import math
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron_recover import devices
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.exit_codes import NeedsPerson
 from nanotron_recover.nanotron_compat.fp32_accumulator import has_low_precision_params
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.buckets import GradBuckets
@@ -74,7 +77,25 @@ class StockDataParallel(DataParallelStrategy):
         contribution = work.loss_sum / dp if (self.last_stage and self.tp_rank == 0) else 0.0
         loss = torch.tensor([contribution], dtype=torch.float64, device=devices.compute_device())
         torch_dist.all_reduce(loss, group=self.parallel_context.world_pg)
-        return CommittedStep(loss=float(loss.item()), microbatches=dp * self.per_replica, live_replicas=dp)
+        value = float(loss.item())
+        return CommittedStep(loss=value, microbatches=dp * self.per_replica, live_replicas=dp,
+                             nonfinite=None if math.isfinite(value) else f"the step's loss is {value}")
+
+    def clip_grad_norm(self, state: TrainingState, max_norm: float) -> float:
+        """nanotron's clipping; a non-finite norm (known to every rank: one world, no spares) ends the run before
+        the optimizer steps."""
+        norm = super().clip_grad_norm(state, max_norm)
+        if not math.isfinite(float(norm)):
+            raise NeedsPerson("non-finite step", f"the gradient norm is {float(norm)}")
+        return norm
+
+    def startup_share(self) -> tuple[int, int]:
+        return torch_dist.get_rank(), torch_dist.get_world_size()
+
+    def gather_at_startup(self, obj: Any) -> list:
+        out: list = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(out, obj)
+        return out
 
     def zero_grad(self, state: TrainingState) -> None:
         state.optimizer.zero_grad()  # with fp32 masters: the accumulator zeroes the buckets in place

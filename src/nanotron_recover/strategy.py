@@ -53,6 +53,7 @@ class CommittedStep:
     recoveries: int = 0
     quotas: dict[int, int] | None = None  # microbatches per computing replica (logged per step)
     balance: dict[str, Any] | None = None  # measured speeds per replica, drained stragglers (logged per step)
+    nonfinite: str | None = None  # what was NaN or infinite (the loss, a gradient): the step must not be committed
 
 
 class MetricsSink(Protocol):
@@ -134,6 +135,15 @@ class DataParallelStrategy(ABC):
         """Collective at start-up: load the newest committed step kept in node-local snapshots if it is newer than
         ``newer_than`` (the disk checkpoint's step); return it, or None (the stock path keeps none)."""
         return None
+
+    def startup_share(self) -> tuple[int, int]:
+        """(this rank's index, how many ranks) among those that resume together: who verifies which files."""
+        return 0, 1
+
+    def gather_at_startup(self, obj: Any) -> list:
+        """Every resuming rank's ``obj`` (small, picklable), in the same order on every rank: a start-up decision
+        (which checkpoint is intact) is taken from the same findings everywhere."""
+        return [obj]
 
     def startup_complete(self) -> None:
         """Called by every rank once it is ready to train (model built, checkpoint loaded)."""

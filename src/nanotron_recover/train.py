@@ -2,7 +2,8 @@
 
 Arm the start-up guard (before torch or MPI is imported), parse the config, build the data-parallel path (ReCoVer
 over ULFM, or stock nanotron), train, close. Exit codes (:mod:`nanotron_recover.exit_codes`): 0 done (also for a
-rank whose replica was evicted), 2 bad input, 3 not finished, relaunch to resume: fewer live replicas than
+rank whose replica was evicted), 2 a person must act (bad input, damaged state with no intact fallback, a full
+disk, a non-finite step), 3 not finished, relaunch to resume: fewer live replicas than
 ``fault_tolerance.min_replicas`` (a checkpoint was saved), a fault during start-up, or a hang no kill could end.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE
+from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
 from nanotron_recover.overrides import add_override_args
 from nanotron_recover.run_folder import record_exit
 from nanotron_recover.startup_guard import StartupGuard, arm_startup_guard
@@ -59,11 +60,18 @@ def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
 
     init_stock_torch_world(timeout_s)
     trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
-    trainer.train()
+    code, reason, extra = EXIT_DONE, "finished", {}
+    try:
+        trainer.train()
+    except NeedsPerson as e:  # every rank alike (one world): damaged state, a non-finite step
+        code, reason, extra = EXIT_NEEDS_PERSON, str(e), e.record
+        trainer.metrics.close()
+        if torch_dist.get_rank() == 0:
+            print(f"[nanotron-recover] stopping for a person (exit {code}): {e}", file=sys.stderr, flush=True)
     torch_dist.barrier()
-    record_exit(run_dir, torch_dist.get_rank(), EXIT_DONE, "finished")
+    record_exit(run_dir, torch_dist.get_rank(), code, reason, **extra)
     torch_dist.destroy_process_group()
-    return EXIT_DONE
+    return code
 
 
 def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None) -> int:

@@ -24,9 +24,11 @@ from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGrad
 
 from nanotron_recover import devices
 from nanotron_recover.checkpoint import CheckpointManager
+from nanotron_recover.checkpoint_resume import settle_root
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.data import build_dataset
 from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
+from nanotron_recover.exit_codes import NeedsPerson
 from nanotron_recover.inject import FailureInjector
 from nanotron_recover.memory import training_state_bytes
 from nanotron_recover.metrics import MetricsLogger
@@ -61,6 +63,7 @@ class RecoverTrainer:
             data_parallel.replica, data_parallel.local_rank, run_dir=self.run_dir,
         )
         self._current_step = 0  # read by the phase hooks
+        self._nonfinite_microbatch: int | None = None  # this step's first microbatch whose loss was NaN or inf here
 
         self._build_replica_state()
         self.engine = build_engine(config.parallelism.pp_engine)
@@ -170,7 +173,8 @@ class RecoverTrainer:
         local_params = [p for p in self.unwrapped_model.parameters() if p.requires_grad]
         if not local_params:
             return
-        self.unwrapped_model.register_forward_pre_hook(lambda *_: self._at(Phase.FORWARD) or self._slow_microbatch())
+        self.unwrapped_model.register_forward_pre_hook(
+            lambda *_: self._at(Phase.FORWARD) or self._slow_microbatch() or self._maybe_poison())
         if is_dtensor(local_params[0]):
             # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
             # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
@@ -178,6 +182,23 @@ class RecoverTrainer:
             middle.register_post_accumulate_grad_hook(lambda p: self._at(Phase.BACKWARD))
             return
         local_params[0].register_hook(lambda g: self._at(Phase.BACKWARD) or g)
+
+    def _maybe_poison(self) -> None:
+        """A ``signal: nan`` entry fired for this microbatch: the first floating-point output of a layer in its
+        forward on this rank becomes NaN (a real non-finite activation: the loss and the gradients follow)."""
+        if not self.injector.take_poison():
+            return
+        handles: list = []
+
+        def poison(module, inputs, output):
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                for handle in handles:
+                    handle.remove()
+                return output * float("nan")
+            return None
+
+        handles.extend(m.register_forward_hook(poison) for m in self.unwrapped_model.modules()
+                       if next(m.children(), None) is None)
 
     def _slow_microbatch(self) -> None:
         """A ``signal: slow`` entry for this rank: this microbatch takes its factor times as long."""
@@ -206,6 +227,10 @@ class RecoverTrainer:
             loss_divisor=loss_divisor,
         )
         loss = summed_loss(outputs)  # each microbatch's loss / loss_divisor, on the last stage only
+        if loss is not None and not torch.isfinite(loss) and self._nonfinite_microbatch is None:
+            self._nonfinite_microbatch = next(
+                i for i, out in zip(indices, outputs) if isinstance(out["loss"], torch.Tensor)
+                and not torch.isfinite(out["loss"]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the measured time is the kernels', not their launches'
         self.injector.slowdown.end(step, len(indices))
@@ -242,14 +267,26 @@ class RecoverTrainer:
         self.metrics.close()
 
     def _resume(self) -> int:
-        """The step to continue after: the newest committed step held in node-local snapshots when it is newer than
-        the disk checkpoint (auto-resume only: an explicit ``resume_checkpoint_path`` is loaded as asked), else the
-        disk checkpoint's (0: from scratch)."""
+        """The step to continue after (0: from scratch). The newest intact checkpoint is chosen on every rank alike
+        (damaged ones are reported and set aside); the newest committed step held in node-local snapshots wins when
+        it is newer (auto-resume only: an explicit ``resume_checkpoint_path`` is loaded as asked). A checkpoint
+        that existed with none intact and no snapshot to take over ends the job for a person."""
+        choice = self.checkpoints.choose(self.dp)
+        if self.dp.startup_share()[0] == 0:
+            settle_root(self.checkpoints.root, choice, say=lambda line: print(f"[nanotron-recover] {line}", flush=True))
+        if choice.damaged and self.metrics.enabled:
+            self.metrics.log_event({"event": "checkpoint_damaged", "problems": choice.damaged,
+                                    "resumed_from": str(choice.path) if choice.path else None})
         if self.checkpoints.resume_path is None:
-            local = self.dp.resume_from_local_snapshot(self, newer_than=self.checkpoints.source_step())
+            local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step)
             if local is not None:
                 return local
-        return self.checkpoints.maybe_resume(self)
+        if choice.path is None:
+            if choice.damaged:
+                raise NeedsPerson("damaged checkpoint", f"no intact checkpoint to fall back to: {choice.damaged[0]}",
+                                  file=choice.damaged[0].split(":")[0])
+            return 0
+        return self.checkpoints.load(self, choice, self.dp)
 
     def _log_training_state(self, step: int) -> None:
         """Bytes of training state per parameter on the logging rank (``benchmarks/precision_bench.py``)."""
@@ -259,8 +296,10 @@ class RecoverTrainer:
                                     **state})
 
     def train_step(self, step: int) -> CommittedStep:
-        self._current_step = step
+        self._current_step, self._nonfinite_microbatch = step, None
         result = self.dp.forward_backward_reduce(step, self.services)  # plan -> compute -> reduce (with recovery)
+        if result.nonfinite is not None:  # the same on every rank: never committed, saved or snapshotted
+            raise self._nonfinite_step(step, result.nonfinite)
         self._at(Phase.OPTIMIZER)
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step
             self.dp.update_replica(step, self.services, self._update_weights)
@@ -269,6 +308,16 @@ class RecoverTrainer:
         self.dp.zero_grad(self)
         self.dp.after_commit(step, self, self.services)  # e.g. spare activation, state transfer
         return result
+
+    def _nonfinite_step(self, step: int, what: str) -> NeedsPerson:
+        """The error that ends the run at a non-finite step; a rank whose own microbatch's loss was non-finite
+        names it (the launcher repeats the lowest one)."""
+        found = self._nonfinite_microbatch
+        where = "" if found is None else f"; global microbatch {found} (replica {self.dp.replica}) was non-finite here"
+        return NeedsPerson("non-finite step", f"step {step} was not committed: {what}{where}; the state of step "
+                           f"{step - 1} is kept (latest.txt, node-local snapshots)", nonfinite_step=step,
+                           nonfinite_microbatch=None if found is None else {"microbatch": found,
+                                                                            "replica": self.dp.replica})
 
     def _update_weights(self) -> None:
         self.dp.sync_tied_gradients(self)

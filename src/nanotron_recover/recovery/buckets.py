@@ -186,6 +186,11 @@ class GradBuckets:
             if p.dtype == torch.float32
         )
 
+    def all_finite(self) -> bool:
+        """No NaN or infinity in the gradient (one sum over the flat buffer: NaN and infinities carry through it;
+        no tensor of the buffer's size is allocated)."""
+        return bool(torch.isfinite(self.flat.sum()))
+
     def zero_(self) -> None:
         """Zero all gradients in place (use instead of ``optimizer.zero_grad()``); re-binds dropped ``.grad``."""
         self.flat.zero_()

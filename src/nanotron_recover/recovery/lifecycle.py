@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from nanotron_recover import run_folder
-from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_RESTART
+from nanotron_recover.disk_space import full_disk_line, is_disk_full, written_path
+from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART, NeedsPerson
 from nanotron_recover.ft import FailureDetected, ReplicaEvicted
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas, StragglerEvicted
@@ -36,7 +37,7 @@ class ProcessLifecycle:
     :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel` (it uses the strategy's ``ft``,
     ``hang_policy``, ``config``, ``replica`` and ``local_rank``)."""
 
-    on_exit: Callable[[int, str], None]  # (code, reason): write this rank's exit record
+    on_exit: Callable[..., None]  # (code, reason, **extra): write this rank's exit record
     on_started: Callable[[], None]  # called once every rank is ready to train (disarms the start-up watchdog)
     run_dir: Path | None  # where hang events are appended (set by the entry point)
 
@@ -51,6 +52,13 @@ class ProcessLifecycle:
         self.on_started()
         if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)
             self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
+
+    def startup_share(self) -> tuple[int, int]:
+        live = list(self.ft.live_ranks)
+        return live.index(self.ft.rank), len(live)
+
+    def gather_at_startup(self, obj: Any) -> list:
+        return self.ft.allgather_object(obj)
 
     @property
     def starting(self) -> bool:
@@ -117,11 +125,13 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
     dp = _build_strategy(make_strategy, config, run_dir, timeout_s, MPI.COMM_WORLD.Get_rank())
     if on_started is not None:
         dp.on_started = on_started
-    trainer = None
+    trainer, extra = None, {}
     try:
         trainer = make_trainer(config, run_dir, dp)
         trainer.train()
         code, reason = EXIT_DONE, "finished"
+    except NeedsPerson as e:  # agreed by every rank: damaged state with no fallback, a non-finite step
+        code, reason, extra = _stop_for_person(trainer, e)
     except ReplicaEvicted as e:
         code, reason = _leave_evicted(dp, e)
     except StragglerEvicted as e:
@@ -130,7 +140,7 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
         code, reason = _stop_below_minimum(dp, trainer, e)
     except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
         code, reason = _after_error(dp, error)
-    dp.on_exit(code, reason)
+    dp.on_exit(code, reason, **extra)
     sys.stdout.flush()
     dp.shutdown(code=code)
     return code
@@ -149,7 +159,8 @@ def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", run
         end_job(reason)
         raise SystemExit(EXIT_RESTART) from error
     dp.run_dir = run_dir
-    dp.on_exit = lambda code, reason: run_folder.record_exit(run_dir, rank, code, reason, hang_margin=dp.hang_margin())
+    dp.on_exit = lambda code, reason, **extra: run_folder.record_exit(run_dir, rank, code, reason,
+                                                                      hang_margin=dp.hang_margin(), **extra)
     return dp
 
 
@@ -180,18 +191,51 @@ def _stop_below_minimum(dp: Any, trainer: Any,
         print(f"[nanotron-recover] stopping: {e}; saving a checkpoint of step {step}", flush=True)
         try:  # collective over the live ranks: a holder writes
             trainer.save_checkpoint(step, extra_state={"stopped": "below_min_replicas"})
-        except (BelowMinimumReplicas, FailureDetected) as again:  # another death during the fallback save
-            print(f"[nanotron-recover] fallback checkpoint not saved: {again}", flush=True)
+        except Exception as again:  # noqa: BLE001 - another death (seen by MPI or as a torch error), a full disk
+            if is_disk_full(again):
+                _end_for_full_disk(dp, again)
+            print(f"[nanotron-recover] fallback checkpoint not saved: {type(again).__name__}: {again}", flush=True)
     if trainer is not None:
         trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": step})
         trainer.metrics.close()
     return EXIT_BELOW_MIN_REPLICAS, str(e)
 
 
+def _stop_for_person(trainer: Any, e: NeedsPerson) -> tuple[int, str, dict]:
+    """Every rank stops alike (the decision was agreed): say it once, log it, close the metrics."""
+    if trainer is None or trainer.metrics.enabled:
+        print(f"[nanotron-recover] stopping for a person (exit {EXIT_NEEDS_PERSON}, not requeued): {e}",
+              file=sys.stderr, flush=True)
+    if trainer is not None:
+        trainer.metrics.log_event({"event": "needs_person", "what": e.what, "detail": str(e), **e.record})
+        trainer.metrics.close()
+    return EXIT_NEEDS_PERSON, str(e), dict(e.record)
+
+
+def _end_for_full_disk(dp: Any, error: Exception) -> None:
+    """A write of this rank found no space: say it in one line, record it (the partial checkpoint is gone, so the
+    record fits), and end the whole job at once: nobody waits for this rank to be judged hung."""
+    config, run_dir = dp.config, dp.run_dir or Path(".")
+    path = str(config.checkpoints.checkpoints_path) if config.checkpoints is not None else "checkpoints"
+    latest = run_folder.latest_checkpoint_step(run_dir, path)
+    kept = (f"the checkpoint of step {latest} ({run_folder.checkpoints_root(run_dir, path) / 'latest.txt'}) and "
+            "the node-local snapshots")
+    line = full_disk_line(written_path(error), kept)
+    print(f"[nanotron-recover] rank {dp.ft.rank}: {line}", file=sys.stderr, flush=True)
+    try:
+        dp.on_exit(EXIT_NEEDS_PERSON, line, disk_full=True)
+    except OSError:  # no room even for the record: the launcher checks the free space itself
+        pass
+    end_job(line)
+
+
 def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
-    """An error that is not one of ours: a replica-mate's death seen as a torch error (join the repair, which
-    evicts this rank), a pooled rank's (leave), or a bug (abort the whole job now rather than leave the other
-    ranks to wait out their torch timeouts: the same error would hit every replica)."""
+    """An error that is not one of ours: a full disk (the job ends for a person), a replica-mate's death seen as a
+    torch error (join the repair, which evicts this rank), a pooled rank's (leave), or a bug (abort the whole job
+    now rather than leave the other ranks to wait out their torch timeouts: the same error would hit every
+    replica)."""
+    if is_disk_full(error):
+        _end_for_full_disk(dp, error)
     if dp.starting:  # before every rank was ready there is no recovery: the job restarts
         traceback.print_exc()
         reason = f"start-up failed: {type(error).__name__}: {error}"

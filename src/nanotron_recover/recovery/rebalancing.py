@@ -8,6 +8,10 @@ every rank feeds the same numbers to the pure :class:`~nanotron_recover.workload
 step's quotas are the same everywhere with no extra round. Only the committed attempt's numbers are observed: a
 reduction that failed may have completed on some ranks only.
 
+One entry counts the ranks whose reduced gradient holds a NaN or an infinity; with the loss sum (NaN or infinite
+when any microbatch's loss was) it tells every rank, spares included, in the same step that the step must not be
+committed (:meth:`StepStats.nonfinite`).
+
 Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.recovery.snapshot_schedule`): each rank's
 cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
 contributors, still an exact sum), with how many ranks contributed each.
@@ -15,6 +19,7 @@ contributors, still an exact sum), with how many ranks contributed each.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,7 @@ from nanotron_recover.workload.spares import ReplicaRoster
 
 LOSS, MICROBATCHES = 0, 1  # the first two entries of the stats buffer
 SNAPSHOT_ENTRIES = 4  # the last ones: snapshot write cost, writers, step time, ranks
+NONFINITE_GRADS = -(SNAPSHOT_ENTRIES + 1)  # just before them: how many ranks hold a non-finite reduced gradient
 
 
 def settings_of(config: RecoverConfig) -> RebalanceSettings:
@@ -47,18 +53,21 @@ class StepStats:
 
     def __init__(self, config: RecoverConfig) -> None:
         self.slots = config.parallelism.dp
-        self.stats = np.zeros(2 + 2 * self.slots + SNAPSHOT_ENTRIES, dtype=np.float64)
+        self.stats = np.zeros(2 + 2 * self.slots + 1 + SNAPSHOT_ENTRIES, dtype=np.float64)
         self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
         self.evicts = config.fault_tolerance.straggler_action == "evict"
         self.evicting: set[int] = set()
 
     def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None,
-             snapshot_cost_s: float | None = None, step_s: float | None = None) -> np.ndarray:
+             snapshot_cost_s: float | None = None, step_s: float | None = None,
+             grads_finite: bool = True) -> np.ndarray:
         """This rank's contribution: ``counts`` for local rank 0 of a computing replica (the count and the speeds
         are counted once per replica), ``slot`` the slot its replica holds; ``snapshot_cost_s`` and ``step_s``
-        its last measured snapshot write and step (None: none measured yet)."""
+        its last measured snapshot write and step (None: none measured yet); ``grads_finite``: whether its reduced
+        gradient is free of NaN and infinity."""
         self.stats[:] = 0.0
         self.stats[LOSS] = loss
+        self.stats[NONFINITE_GRADS] = 0.0 if grads_finite else 1.0
         self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
         if counts and slot is not None:
             self.stats[2 + slot] = work.compute_s
@@ -69,6 +78,15 @@ class StepStats:
         if step_s is not None:
             tail[2], tail[3] = round(step_s * 1e6), 1.0
         return self.stats
+
+    def nonfinite(self) -> str | None:
+        """What was not finite in the committed attempt (the same answer on every rank), or None."""
+        loss, ranks = float(self.stats[LOSS]), int(self.stats[NONFINITE_GRADS])
+        if not math.isfinite(loss):
+            return f"the step's loss is {loss}" + (f" and {ranks} rank(s) hold a non-finite gradient" if ranks else "")
+        if ranks:
+            return f"{ranks} rank(s) hold a non-finite gradient (the loss is finite: {loss:.6g})"
+        return None
 
     def snapshot_sums(self) -> tuple[float, float, float, float]:
         """The committed step's (write cost µs, writers, step µs, ranks) sums, for the snapshot schedule."""

@@ -3,12 +3,12 @@
 Per step: the planner (layer 3) splits the M global microbatches over the active replicas' slots (by measured speed
 with ``rebalance``: :mod:`nanotron_recover.recovery.rebalancing`); each replica computes its share into flat fp32
 buckets (loss / M); each bucket is snapshotted, keyed by (step, world epoch), right before its cross-replica SUM
-over ULFM (layer 1); a world-wide ``Agree`` commits the step.
+over ULFM (layer 1); a world-wide ``Agree`` commits the step (a non-finite loss or gradient is never committed).
 
 If anything fails before the commit: repair (layer 1), restore every bucket from its snapshot (a half-reduced
 buffer is garbage), re-plan only the failed replicas' orphaned microbatches onto the survivors, compute them on
-top, and reduce again in the new epoch. The optimizer then steps once, on the full M-microbatch gradient.
-Spares replace failed replicas at the next step boundary, after a state copy from a live replica.
+top, and reduce again in the new epoch. The optimizer then steps once, on the full M-microbatch gradient. Spares
+replace failed replicas at the next step boundary, after a state copy from a live replica.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self._formed_at: float | None = None  # perf_counter() when the last new replica was formed
         self.step_stats = StepStats(config)  # the step's world-wide sums: loss, microbatches, each slot's speed
         self._pending_activation = False
-        # Replicas that hold the committed state of the last committed step: the ones that committed it, and a
-        # spare or formed replica only once its state transfer completed everywhere. Only they are planned work
-        # and only they write a checkpoint (a spare whose donor died mid-transfer holds initial weights).
+        # Replicas holding the committed state of the last committed step: those that committed it, a spare or formed
+        # replica once its state transfer completed everywhere (one whose donor died mid-transfer holds initial
+        # weights). Only they are planned work and write a checkpoint.
         self.holders: set[int] = set(active)
         self._step_started = 0.0
         self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
@@ -202,6 +202,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             recoveries=recoveries,
             quotas={r: len(v) for r, v in plan.items()},
             balance=balance,
+            nonfinite=self.step_stats.nonfinite(),
         )
 
     def _plan(self, step: int) -> Plan:
@@ -235,7 +236,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         stats = self.step_stats.fill(work.loss_sum if (computing and self._reports_loss()) else 0.0, work,
                                      computing and self.local_rank == 0, self.roster.slot_of(self.replica),
                                      self.snapshots.cost_s if self.snapshots is not None else None,
-                                     self._last_step_s)
+                                     self._last_step_s, grads_finite=not computing or self.buckets.all_finite())
         self.ft.allreduce_sum_(stats, "world")
 
     def _log_plane_build(self, services: StepServices, step: int) -> None:
@@ -272,10 +273,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         record = {"event": "repair", "step": step, "phase": phase, **event.as_dict(),
                   "activated_spares": [s for change in changes for s in change.activated]}
         if not event.failed_ranks:
-            # Seen (rarely, under heavy load and after failures): the commit Agree came back, uniformly, without
-            # the healthy bit although no rank was repairing. Every rank then enters the repair alike, Shrink
-            # finds nobody dead, and the step is reduced again from its snapshots: the trajectory is kept. It is
-            # logged as what it is, apart from the repairs of real failures.
+            # Seen (rarely, under load, after failures): the commit Agree came back, uniformly, without the healthy
+            # bit although no rank was repairing. Every rank enters the repair alike, Shrink finds nobody dead, the
+            # step is reduced again from its snapshots (trajectory kept), logged apart from real failures.
             record["event"] = REPAIR_WITHOUT_FAILURE
         metrics.log_event(record)
         if self.recycle and (event.pooled or set(event.failed_ranks) & set(self._pool_before)):

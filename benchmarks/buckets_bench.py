@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
-from nanotron_recover.recovery.buckets import GradBuckets
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
+from nanotron_recover.recovery.buckets import GradBuckets  # noqa: E402
 
 
 def _params(total_mb: float, param_mb: float, device: torch.device) -> list[tuple[str, torch.nn.Parameter]]:
@@ -86,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
               f"{row['snap_restore_ms_per_mb']:16.4f} {row['gb_per_s']:7.2f} {t_stage:14.4f}")
         b.close()
         b = None  # the next size's buckets do not stack on these
+    write_record("buckets", argv=argv, command=command_line(argv, "benchmarks/buckets_bench.py"), args=args,
+                 samples={"device": str(device), "rows": rows},
+                 figures={f"snap_restore_ms_per_mb_{r['mb']:.0f}MB": r["snap_restore_ms_per_mb"] for r in rows})
     return rows
 
 

@@ -31,7 +31,15 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import ModelSize, add_size_args, make_config, n_processes, size_from_args  # noqa: E402
-from benchmarks.lib.report import command_line, machine_line, md_table, plot_loss_and_progress, write_json  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    command_line,
+    machine_line,
+    md_table,
+    median,
+    plot_loss_and_progress,
+    write_json,
+)
 from benchmarks.lib.timeline import Attempt, RunSummary, checkpoint_save_times, launch, summarize  # noqa: E402
 
 
@@ -185,12 +193,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = {"command": command_line(argv, "benchmarks/ckpt_restart.py"), "machine": machine_line(),
             "model": size.describe(), "runs": {v: s.as_dict() for v, s in results.items()}}
     write_json(out / "ckpt_restart.json", data)
+    write_record("ckpt_restart", argv=argv, command=data["command"], args=args, samples=data, figures=figures(data))
     md = [f"command: `{data['command']}`", f"machine: {data['machine']}", "",
           summary_table(list(results.values())), "", failure_table(list(results.values()))]
     (out / "ckpt_restart.md").write_text("\n".join(md) + "\n")
     plot_runs(list(results.values()), out / "ckpt_restart.png")
     print("\n".join(md))
     return data
+
+
+def figures(data: dict) -> dict[str, float]:
+    """The record's figures of a ``ckpt_restart.json``, per variant: effective throughput, recomputed steps, and
+    the median restart (launch -> first step) and total (kill -> back at the lost step) per failure."""
+    out: dict[str, float] = {}
+    for v, run in data["runs"].items():
+        fails = run.get("failures", [])
+        out.update({f"{v}_tokens_per_process_s": run["effective_throughput_tokens_per_process_s"],
+                    f"{v}_recomputed_steps": run.get("recomputed_steps", 0),
+                    f"{v}_restart_s": median(f["restart_s"] for f in fails if f.get("restart_s") is not None),
+                    f"{v}_failure_s": median(f["total_s"] for f in fails if "total_s" in f)})
+    return out
 
 
 # --------------------------------------------------------------------------------------------- report pieces

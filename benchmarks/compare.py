@@ -37,6 +37,7 @@ from benchmarks.lib.config import (  # noqa: E402
     ranks_per_replica,
     size_from_args,
 )
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import RunSummary, launch, normal_step_times, summarize  # noqa: E402
 
@@ -245,6 +246,41 @@ def write_report(result: dict, out: Path, *, command: str, title: str, setup: st
     return md
 
 
+def figures(data: dict) -> dict[str, float | str | None]:
+    """The record's figures of a comparison's JSON (``compare.json``, ``headline.json``): ReCoVer against the
+    stronger checkpoint-restart variant, and the per-run figures the ratios come from (machine-speed dependent)."""
+    h, runs = data["headline"], data["runs"]
+    rec, base = runs["recover"], runs[h["baseline"]]
+    shrinking = runs.get("shrinking", {})
+    out: dict[str, float | str | None] = {
+        "baseline": h["baseline"],
+        "effective_throughput_ratio": h["recover_vs_ckpt_restart_effective_throughput"],
+        "tokens_ratio_at_equal_process_seconds": h["tokens_ratio_at_equal_process_seconds"],
+        "effective_throughput_ratio_after_first_startup": h["effective_throughput_ratio_after_first_startup"],
+        "recover_tokens_per_process_s": rec["effective_throughput_tokens_per_process_s"],
+        "ckpt_restart_tokens_per_process_s": base["effective_throughput_tokens_per_process_s"],
+        "recover_failure_s": median(f["detect_s"] + f["repair_s"] for f in rec.get("failures", []) if "detect_s" in f),
+        "ckpt_restart_failure_s": median(f["total_s"] for f in base.get("failures", []) if "total_s" in f),
+        "recover_max_dloss": rec.get("max_abs_loss_diff_vs_reference"),
+        "shrinking_max_dloss": shrinking.get("max_abs_loss_diff_vs_reference"),
+    }
+    if shrinking:
+        out["shrinking_tokens_share"] = shrinking["committed_tokens"] / rec["committed_tokens"]
+    if "overhead" in h:
+        o = h["overhead"]
+        out.update(overhead=o["ratio"], recover_median_step_ms=o["recover_median_step_s"] * 1e3,
+                   stock_median_step_ms=o["stock_median_step_s"] * 1e3)
+    return out
+
+
+def record(name: str, out: Path, json_name: str, argv: Sequence[str] | None, command: str, args) -> None:
+    """The run's record (``benchmarks/lib/record.py``): the comparison's JSON as its samples, and its figures."""
+    import json
+
+    data = json.loads((out / json_name).read_text())
+    write_record(name, argv=argv, command=command, args=args, samples=data, figures=figures(data))
+
+
 def add_common_args(ap: argparse.ArgumentParser, *, dp: int, accumulation: int, steps: int, interval: int,
                     fail: list[str], out: str) -> None:
     ap.add_argument("--dp", type=int, default=dp)
@@ -276,8 +312,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     result = run_comparison(out=Path(args.out), dp=args.dp, accumulation=args.accumulation, steps=args.steps,
                             checkpoint_interval=args.checkpoint_interval, events=events, size=size,
                             overhead_run=not args.no_overhead_run, timeout_s=args.timeout_s)
-    md = write_report(result, Path(args.out), command=command_line(argv, "benchmarks/compare.py"),
-                      title="compare", setup=setup_line(args, size))
+    command = command_line(argv, "benchmarks/compare.py")
+    md = write_report(result, Path(args.out), command=command, title="compare", setup=setup_line(args, size))
+    record("compare", Path(args.out), "compare.json", argv, command, args)
     print(md)
     return result
 

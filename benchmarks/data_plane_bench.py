@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 from benchmarks.ckpt_restart import FailureEvent  # noqa: E402
 from benchmarks.compare import recover_failures  # noqa: E402
 from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times, summarize  # noqa: E402
 from nanotron_recover.mpirun import mpirun_command  # noqa: E402
@@ -116,11 +117,30 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "setup": f"{args.dp} replicas x 1 rank, M = {args.dp * args.accumulation}, {args.steps} steps, "
                      f"{size.describe()}, synthetic data"}
     write_json(out / "data_plane.json", data)
+    write_record("data_plane", argv=argv, command=command, args=args, samples=data, figures=figures(data))
     md = report(data)
     (out / "data_plane.md").write_text(md)
     print(md)
     print(f"torch_over_mpi_step={ratio:.3f}")
     return data
+
+
+def figures(data: dict) -> dict[str, float]:
+    """The record's figures of a ``data_plane.json``: the step ratio and each plane's median step; the in-place SUM
+    per plane and size; the torch group's rebuild; per plane what a kill inside the reduction cost."""
+    step = data["step_median_s"]
+    out = {"torch_over_mpi_step": data["torch_over_mpi_step"], "mpi_step_ms": step["mpi"] * 1e3,
+           "torch_step_ms": step["torch"] * 1e3}
+    for r in data["micro"]:
+        if r["what"] == "allreduce":
+            out[f"{r['plane']}_sum_ms_{r['mb']:g}MB"] = r["median_ms"]
+        elif r["what"] == "rebuild":
+            out["torch_rebuild_ms"] = r["median_ms"]
+    for plane, rec in data["recovery"].items():
+        out.update({f"{plane}_detect_ms": rec["detect_s"] * 1e3, f"{plane}_repair_ms": rec["repair_s"] * 1e3,
+                    f"{plane}_group_build_ms": rec["group_build_ms"],
+                    f"{plane}_failure_step_extra_ms": rec["total_s"] * 1e3})
+    return out
 
 
 def report(data: dict) -> str:

@@ -20,7 +20,12 @@ from typing import Sequence
 
 import yaml
 
-from nanotron_recover.runs import (
+if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
+from nanotron_recover.runs import (  # noqa: E402
     RunResult,
     final_checkpoint,
     max_loss_diff,
@@ -111,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": {"reference": reference.wall_s, "with_failures": failed.wall_s},
     }
     (out / "equivalence.json").write_text(json.dumps(summary, indent=2))
+    write_record("equivalence", argv=argv, command=command_line(argv, "benchmarks/equivalence.py"), args=args,
+                 samples=summary, figures={k: summary[k] for k in ("max_abs_loss_diff", "max_rel_param_diff",
+                                                                   "steps", "failures")})
     plot(reference, failed, out / "equivalence.png", failures)
     print(
         f"max_abs_loss_diff={loss_diff:.3e} max_rel_param_diff={param_diff:.3e} "

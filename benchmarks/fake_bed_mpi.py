@@ -21,6 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line  # noqa: E402
 from nanotron_recover.launch import MPIRUN_ARGS_ENV  # noqa: E402
 from nanotron_recover.mpirun import mpirun_command  # noqa: E402
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (allreduce, agree) in rows.items():
         print(f"| {name} | {allreduce:.2f} | {agree:.2f} |")
     (b_ar, b_ag), (y_ar, y_ag) = list(rows.values())[2:]
+    write_record("fake_bed_mpi", argv=argv, command=command_line(argv, "benchmarks/fake_bed_mpi.py"), args=args,
+                 samples={name: {"allreduce_ms": a, "agree_ms": g} for name, (a, g) in rows.items()},
+                 figures={"bed_allreduce_ms_busy": b_ar, "bed_allreduce_ms_yield": y_ar, "bed_agree_ms_busy": b_ag,
+                          "bed_agree_ms_yield": y_ag})
     print(f"bed_allreduce_ms_busy={b_ar:.3f} bed_allreduce_ms_yield={y_ar:.3f} "
           f"bed_agree_ms_busy={b_ag:.3f} bed_agree_ms_yield={y_ag:.3f}")
     return 0

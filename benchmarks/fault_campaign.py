@@ -43,6 +43,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
 from nanotron_recover.run_folder import (  # noqa: E402
     read_metrics_jsonl,
@@ -375,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stalls = sum(1 for r in results if r.outcome == "STALL")
     false_kills = sum(len(r.false_kills) for r in results)
     print(tally(results))
+    figures = {"trials": len(results), "failures": failures, "stalls": stalls, "false_kills": false_kills, "seed": seed}
+    write_record("fault_campaign", argv=argv, command=command_line(argv, "benchmarks/fault_campaign.py"), args=args,
+                 samples={"trials": [r.line() for r in results]}, figures=figures)
     print(f"campaign_trials={len(results)} failures={failures} stalls={stalls} false_kills={false_kills} seed={seed}")
     return 1 if failures or stalls else 0
 

@@ -45,8 +45,9 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ckpt_restart import FailureEvent  # noqa: E402
-from benchmarks.compare import add_common_args, run_comparison, setup_line, write_report  # noqa: E402
+from benchmarks.compare import add_common_args, record, run_comparison, setup_line, write_report  # noqa: E402
 from benchmarks.lib.config import add_size_args, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
 
 DEFAULT_SIZE = dict(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=128)
@@ -81,12 +82,24 @@ def paper_interval(steps_between_failures: int) -> tuple[int, str]:
                f"{tau:.3g} s = {tau / step:.2f} steps -> K = {k} (costs of {COMMITTED.name})")
 
 
-def run_paper(args, size) -> str:
+def paper_figures(data: dict) -> dict[str, float | None]:
+    """The record's figures of a ``headline_paper.json``: the measured ratio, the per-run figures it comes from,
+    the checkpoint interval, and the simulator's predictions as the run computed them."""
+    h, runs = data["headline"], data["runs"]
+    return {"effective_throughput_ratio": h["recover_vs_ckpt_restart_effective_throughput"],
+            "recover_tokens_per_process_s": runs["recover"]["effective_throughput_tokens_per_process_s"],
+            "ckpt_restart_tokens_per_process_s": runs[h["baseline"]]["effective_throughput_tokens_per_process_s"],
+            "checkpoint_interval": h["checkpoint_interval"],
+            "predicted_from_committed_headline": h.get("predicted_from_committed_headline"),
+            "predicted_from_own_costs": h.get("predicted_from_own_costs")}
+
+
+def run_paper(args, size, argv: Sequence[str] | None = None) -> str:
     """ReCoVer vs checkpoint-restart (variant B) on the paper's schedule; the simulator's predictions beside."""
     from benchmarks.ckpt_restart import inject_entries, run_ckpt_restart
     from benchmarks.compare import recover_failures, run_single
     from benchmarks.lib.config import make_config
-    from benchmarks.lib.report import machine_line, md_table, write_json
+    from benchmarks.lib.report import machine_line, write_json
     from nanotron_recover.sim.calibrate import BenchmarkSchedule, from_benchmark_json
     from nanotron_recover.sim.engine import ScheduledFailure
 
@@ -106,7 +119,7 @@ def run_paper(args, size) -> str:
                             accumulation=args.accumulation, steps=args.steps, checkpoint_interval=k, events=events,
                             variant="B", size=size, timeout_s=args.timeout_s)
     measured = rec.effective_throughput / ckpt.effective_throughput
-    data = {"command": command_line(None, "benchmarks/headline.py"), "machine": machine_line(),
+    data = {"command": command_line(argv, "benchmarks/headline.py"), "machine": machine_line(),
             "setup": setup_line(args, size).replace(f"every {args.checkpoint_interval}", f"every {k}"),
             "headline": {"baseline": ckpt.name, "recover_vs_ckpt_restart_effective_throughput": measured,
                          "checkpoint_interval": k, "checkpoint_interval_why": why},
@@ -121,16 +134,9 @@ def run_paper(args, size) -> str:
     own = _simulated_ratio(out / "headline_paper.json")
     data["headline"].update(predicted_from_committed_headline=pred, predicted_from_own_costs=own)
     write_json(out / "headline_paper.json", data)
-    rows = [[r.name, len(r.attempts), r.final_step, round(r.wall_s, 1), round(r.process_seconds, 1),
-             r.committed_tokens, round(r.effective_throughput, 1), r.extra.get("recomputed_steps", 0)]
-            for r in (rec, ckpt)]
-    md = "\n".join([f"command: `{data['command']}`", "", f"machine: {data['machine']}", "", f"setup: {data['setup']}",
-                    "", f"failures: {'; '.join(data['failures'])}; checkpoint-restart: {why}", "",
-                    md_table(["run", "launches", "final step", "wall s", "process-s", "committed tokens",
-                              "eff. throughput tok/s/process", "recomputed steps"], rows), "",
-                    f"measured ReCoVer / checkpoint-restart effective throughput: {measured:.3f}; simulator: "
-                    f"{pred if pred is None else f'{pred:.3f}'} (costs of the committed headline.json), "
-                    f"{own if own is None else f'{own:.3f}'} (this run's own costs)"]) + "\n"
+    write_record("headline_paper", argv=argv, command=data["command"], args=args, samples=data,
+                 figures=paper_figures(data))
+    md = _paper_md(data, (rec, ckpt), why, measured, pred, own)
     (out / "headline_paper.md").write_text(md)
     print(md)
     fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731
@@ -138,6 +144,22 @@ def run_paper(args, size) -> str:
             f"predicted_own_costs={fmt(own)} K={k}")
     print(line, flush=True)
     return line
+
+
+def _paper_md(data: dict, runs, why: str, measured: float, pred: float | None, own: float | None) -> str:
+    """The paper schedule's printed report: its setup, a row per run, the measured and the predicted ratios."""
+    from benchmarks.lib.report import md_table
+
+    rows = [[r.name, len(r.attempts), r.final_step, round(r.wall_s, 1), round(r.process_seconds, 1),
+             r.committed_tokens, round(r.effective_throughput, 1), r.extra.get("recomputed_steps", 0)] for r in runs]
+    return "\n".join([f"command: `{data['command']}`", "", f"machine: {data['machine']}", "",
+                      f"setup: {data['setup']}", "", f"failures: {'; '.join(data['failures'])}; checkpoint-restart: "
+                      f"{why}", "", md_table(["run", "launches", "final step", "wall s", "process-s",
+                                              "committed tokens", "eff. throughput tok/s/process",
+                                              "recomputed steps"], rows), "",
+                      f"measured ReCoVer / checkpoint-restart effective throughput: {measured:.3f}; simulator: "
+                      f"{pred if pred is None else f'{pred:.3f}'} (costs of the committed headline.json), "
+                      f"{own if own is None else f'{own:.3f}'} (this run's own costs)"]) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -155,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             args.steps = 30
         if args.out == "runs/bench/headline":
             args.out = "runs/bench/headline_paper"
-        return run_paper(args, size_from_args(args))
+        return run_paper(args, size_from_args(args), argv)
     if args.no_overhead_run:
         ap.error("the headline line needs the overhead run")
     size = size_from_args(args)
@@ -165,10 +187,11 @@ def main(argv: Sequence[str] | None = None) -> str:
     result = run_comparison(out=out, dp=args.dp, accumulation=args.accumulation, steps=args.steps,
                             checkpoint_interval=args.checkpoint_interval, events=events, size=size,
                             overhead_run=True, timeout_s=args.timeout_s)
-    md = write_report(result, out, command=command_line(argv, "benchmarks/headline.py"), title="headline",
-                      setup=setup_line(args, size))
+    command = command_line(argv, "benchmarks/headline.py")
+    md = write_report(result, out, command=command, title="headline", setup=setup_line(args, size))
     for name in ("compare.json", "compare.md", "compare.png"):
         (out / name).replace(out / name.replace("compare", "headline"))
+    record("headline", out, "headline.json", argv, command, args)
     print(md)
     pred = _simulated_ratio(out / "headline.json")
     if pred is not None:

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import add_size_args, make_config, ranks_per_replica, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times, summarize  # noqa: E402
 
@@ -107,6 +108,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return _write(results, args, out, argv)
 
 
+def figures(data: dict) -> dict[str, float]:
+    """The record's figures of an ``hsdp_vs_3d.json``: the three ratios, and per layout its effective throughput,
+    median step and loss difference from 3D."""
+    out = {k: data[k] for k in ("hsdp_vs_3d", "hsdp_vs_3d_tp2", "hsdp_vs_3d_step_throughput")}
+    for name, r in data["results"].items():
+        key = name.replace("-", "_")
+        out.update({f"{key}_tokens_per_process_s": r["effective_throughput"],
+                    f"{key}_median_step_ms": r["median_step_s"] * 1e3,
+                    f"{key}_max_dloss_vs_3d": r["max_loss_diff_vs_3d"]})
+    return out
+
+
 def _write(results: dict[str, dict], args: argparse.Namespace, out: Path, argv: Sequence[str] | None) -> dict:
     ratio = results["hsdp"]["effective_throughput"] / results["3d"]["effective_throughput"]
     ratio_tp2 = results["hsdp"]["effective_throughput"] / results["3d-tp2"]["effective_throughput"]
@@ -117,6 +130,7 @@ def _write(results: dict[str, dict], args: argparse.Namespace, out: Path, argv: 
     data = {"command": command, "machine": machine_line(), "setup": setup, "results": results,
             "hsdp_vs_3d": ratio, "hsdp_vs_3d_tp2": ratio_tp2, "hsdp_vs_3d_step_throughput": ratio_steps}
     write_json(out / "hsdp_vs_3d.json", data)
+    write_record("hsdp_vs_3d", argv=argv, command=command, args=args, samples=data, figures=figures(data))
     rows = [[name, r["processes"], r["effective_throughput"], r["step_throughput"], r["tokens_per_wall_s"],
              r["median_step_s"] * 1000, r["final_loss"], r["max_loss_diff_vs_3d"]] for name, r in results.items()]
     md = "\n".join([

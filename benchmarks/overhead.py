@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
 
@@ -80,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "mean_step_s": mean, "mean_ratio": mean_ratio,
             "round_ratios": rounds, "pairwise_ratio": pairwise, "order": order, "runs": per_run}
     write_json(out / "overhead.json", data)
+    write_record("overhead_breakdown" if args.breakdown else "overhead", argv=argv, command=command, args=args,
+                 samples=data, figures=figures(data))
     data["shares"] = shares(med)
     md = report_md(data, per_run)
     (out / "overhead.md").write_text(md)
@@ -106,6 +109,29 @@ MECHANISMS = {"node-local snapshots": ("recover", "recover-no-snapshots"),
               "the data path (bare ReCoVer vs stock)": ("recover-bare", "stock"),
               # negative: what waiting asleep (mpi_wait: poll, auto's choice on this oversubscribed node) saves
               "waiting asleep instead of inside MPI": ("recover", "recover-waiting-in-mpi")}
+
+
+# the record's names of the mechanisms' shares
+SHARE_KEYS = {"node-local snapshots": "share_snapshots", "hang monitor": "share_hang_monitor", "both": "share_both",
+              "the data path (bare ReCoVer vs stock)": "share_data_path",
+              "waiting asleep instead of inside MPI": "share_waiting_asleep"}
+
+
+def figures(data: dict) -> dict[str, float | None]:
+    """The record's figures of an ``overhead.json``: the three ratios; per variant its median step, its ratio to
+    stock and its involuntary context switches per job (where counted); each mechanism's share of the step."""
+    med = data["median_step_s"]
+    out: dict[str, float | None] = {"overhead": data["ratio"], "overhead_mean": data.get("mean_ratio"),
+                                    "overhead_pairwise": data.get("pairwise_ratio")}
+    for name, runs in data["runs"].items():
+        key = name.replace("-", "_")
+        out[f"{key}_median_step_ms"] = med[name] * 1e3
+        out[f"{key}_over_stock"] = med[name] / med["stock"]
+        switches = [r["involuntary_switches"] for r in runs if "involuntary_switches" in r]
+        if switches:
+            out[f"{key}_involuntary_switches"] = median(switches)
+    out.update({SHARE_KEYS[name]: share for name, share in shares(med).items()})
+    return out
 
 
 def report_md(data: dict, per_run: dict[str, list[dict]]) -> str:

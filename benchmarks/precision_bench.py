@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
 from nanotron_recover.memory import ROLES  # noqa: E402
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = {"command": command, "machine": machine_line(), "setup": setup, "results": results,
             "bf16_vs_fp32_step_time": step_ratio}
     write_json(out / "precision.json", data)
+    write_record("precision", argv=argv, command=command, args=args, samples=data, figures=figures(data))
     rows = [[dtype, *(r["bytes_per_param"].get(role, 0.0) for role in ROLES), r["bytes_per_param"]["total"],
              r["median_step_s"] * 1000, r["final_loss"]] for dtype, r in results.items()]
     md = "\n".join([
@@ -79,6 +81,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"bf16_bytes_per_param={bf16['bytes_per_param']['total']:.2f} "
           f"fp32_bytes_per_param={fp32['bytes_per_param']['total']:.2f} bf16_vs_fp32_step_time={step_ratio:.3f}")
     return data
+
+
+def figures(data: dict) -> dict[str, float]:
+    """The record's figures of a ``precision.json``: bytes of training state per parameter and median step per
+    dtype, and bf16 / fp32 step time."""
+    out = {"bf16_vs_fp32_step_time": data["bf16_vs_fp32_step_time"]}
+    for dtype, r in data["results"].items():
+        out[f"bytes_per_param_{dtype}"] = r["bytes_per_param"]["total"]
+        out[f"median_step_ms_{dtype}"] = r["median_step_s"] * 1e3
+    return out
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, summarize  # noqa: E402
 
@@ -87,6 +88,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return _write(data, rows, summaries, args, size, argv, out)
 
 
+def figures(data: dict) -> dict[str, float | None]:
+    """The record's figures of a ``recycle.json``: per variant the replicas computing after the faults, the median
+    step after them, tokens at equal process-seconds; the on / off step ratio and the new replica's timings."""
+    out: dict[str, float | None] = {"step_time_ratio_on_off": data["step_time_ratio_on_off"],
+                                    "transfer_ms_per_mb": data["transfer_ms_per_mb"],
+                                    "formed_to_active_ms": data["on"]["formed_to_active_ms"]}
+    for name in ("off", "on"):
+        out[f"live_replicas_after_{name}"] = data[name]["live_replicas_after"]
+        out[f"median_step_ms_after_{name}"] = data[name]["median_step_s_after"] * 1e3
+        out[f"tokens_at_equal_process_seconds_{name}"] = data["committed_tokens_at_equal_process_seconds"][name]
+    return out
+
+
 def _write(data: dict, rows: list, summaries: dict, args: argparse.Namespace, size, argv: Sequence[str] | None,
            out: Path) -> dict:
     ratio = data["on"]["median_step_s_after"] / data["off"]["median_step_s_after"]
@@ -102,6 +116,7 @@ def _write(data: dict, rows: list, summaries: dict, args: argparse.Namespace, si
                 equal_process_seconds=budget, committed_tokens_at_equal_process_seconds=at_budget,
                 transfer_ms_per_mb=per_mb)
     write_json(out / "recycle.json", data)
+    write_record("recycle", argv=argv, command=command, args=args, samples=data, figures=figures(data))
     md = "\n".join([
         f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {setup}", "",
         md_table(["recycle", "replicas computing after", "median step after (ms)", "tokens / process-s",

@@ -18,6 +18,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
 from tests.ft.harness import run_worker  # noqa: E402  (the ft layer's toy trainer, launched under mpirun)
 
 
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         k2r.append(run.kill_to_repaired_ms())
         print(f"run {i}: kill replica {victim_replica} local {victim_local} in {phase}: "
               f"detect-to-repaired median {med:.1f} ms, SIGKILL-to-all-repaired {k2r[-1]:.1f} ms")
+    write_record("repair", argv=argv, command=command_line(argv, "benchmarks/repair_bench.py"), args=args,
+                 samples={"detect_to_repaired_ms": d2r, "kill_to_all_repaired_ms": k2r},
+                 figures={"detect_to_repaired_ms": statistics.median(d2r),
+                          "kill_to_all_repaired_ms": statistics.median(k2r), "kill_to_all_repaired_max_ms": max(k2r)})
     print(f"{args.ranks} ranks ({n_rep} replicas x {rpr}), {args.runs} runs: "
           f"median detect-to-repaired {statistics.median(d2r):.1f} ms, "
           f"median SIGKILL-to-all-repaired {statistics.median(k2r):.1f} ms (max {max(k2r):.1f} ms)")

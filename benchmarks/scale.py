@@ -26,6 +26,7 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lib.record import write_record  # noqa: E402
 from nanotron_recover.sim import policies as P  # noqa: E402
 from nanotron_recover.sim.cluster import Cluster  # noqa: E402
 from nanotron_recover.sim.optimal import recommend, run_policies  # noqa: E402
@@ -107,6 +108,11 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def figures(rows: list[dict]) -> dict[str, float]:
+    """The record's figures (simulated): each policy's ETTR at each size, ``ettr_<policy>_<GPUs>``."""
+    return {f"ettr_{name}_{r['gpus']}": res["ettr"] for r in rows for name, res in r["results"].items()}
+
+
 def main(argv: Sequence[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
@@ -137,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     (out / "scale.json").write_text(json.dumps({"command": command, "setup": setup, "rows": rows,
                                                 "parameters": describe(p)}, indent=1))
     plotted = plot(rows, out / "scale.png")
+    write_record("scale", argv=argv, command=command, args=args,
+                 samples={"setup": setup, "rows": rows, "parameters": describe(p)}, figures=figures(rows))
     print(md)
     if not plotted:
         print("(matplotlib not installed: no plot)")

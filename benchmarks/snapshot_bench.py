@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
 from nanotron_recover.run_folder import read_metrics  # noqa: E402
@@ -108,6 +109,19 @@ def _interleaved_runs(config, args: argparse.Namespace, out: Path) -> tuple[dict
     return step_times, per_rank_bytes, loads
 
 
+def figures(data: dict) -> dict[str, float]:
+    """The record's figures of a ``snapshot.json``: the step-time ratio, the median steps, the bytes per snapshot,
+    and per relaunch source the steps recomputed and kill -> training again."""
+    med = data["median_step_s"]
+    out = {"snapshot_step_overhead": data["snapshot_step_overhead"],
+           "median_step_ms_none": med["none"] * 1e3, "median_step_ms_every_step": med["every step"] * 1e3,
+           "bytes_per_rank_per_snapshot": data["bytes_per_rank_per_snapshot"]}
+    for source, key in (("local snapshot", "snapshot"), ("disk checkpoint", "disk")):
+        out[f"steps_recomputed_{key}"] = data["restart"][source]["steps_recomputed"]
+        out[f"kill_to_training_s_{key}"] = data["restart"][source]["kill_to_training_s"]
+    return out
+
+
 def _write(medians: dict, overhead: float, per_rank_bytes: int, restart: dict, loads: list,
            args: argparse.Namespace, size, argv: Sequence[str] | None, out: Path) -> dict:
     command = command_line(argv, "benchmarks/snapshot_bench.py")
@@ -118,6 +132,7 @@ def _write(medians: dict, overhead: float, per_rank_bytes: int, restart: dict, l
             "snapshot_step_overhead": overhead, "bytes_per_rank_per_snapshot": per_rank_bytes, "restart": restart,
             "load_avg_1min": loads}
     write_json(out / "snapshot.json", data)
+    write_record("snapshot", argv=argv, command=command, args=args, samples=data, figures=figures(data))
     rows = [[name, r["last_logged_step"], r["resumed_at"], r["steps_recomputed"], r["kill_to_training_s"]]
             for name, r in restart.items()]
     md = "\n".join([

@@ -23,6 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line  # noqa: E402
 from nanotron_recover.mpirun import mpirun_command  # noqa: E402
 
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     for rank in sorted(peaks):
         print(f"rank {rank} ({'sender' if rank == 0 else 'receiver'}): peak RSS during resume +{peaks[rank]:.1f} MiB")
     receiver = max(peaks[r] for r in peaks if r != 0)
+    write_record("snapshot_resume_memory", argv=argv, args=args, samples={"peak_extra_mib": peaks},
+                 command=command_line(argv, "benchmarks/snapshot_resume_memory_bench.py"),
+                 figures={"sender_peak_extra_mib": peaks[0], "receiver_peak_extra_mib": receiver,
+                          "file_mib": 3 * args.mb})
     print(f"sender_peak_extra_mib={peaks[0]:.1f} receiver_peak_extra_mib={receiver:.1f} file_mib={3 * args.mb}")
     return 0
 

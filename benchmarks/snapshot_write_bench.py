@@ -21,6 +21,9 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
+
 
 def main(argv: Sequence[str] | None = None) -> float:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> float:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     ms = 1000 * statistics.median(times[2:])
+    write_record("snapshot_write", argv=argv, command=command_line(argv, "benchmarks/snapshot_write_bench.py"),
+                 args=args, samples={"write_s": times},
+                 figures={"snapshot_write_ms": ms, "gib_per_s": args.mb / 1024 / (ms / 1000)})
     print(f"snapshot write of {args.mb} MiB to {args.dir}: median {ms:.1f} ms over {len(times) - 2} writes "
           f"({args.mb / 1024 / (ms / 1000):.2f} GiB/s)")
     print(f"snapshot_write_ms={ms:.1f}")

@@ -35,6 +35,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import ModelSize, add_size_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
 from nanotron_recover.runs import RunResult, run_training  # noqa: E402
 from nanotron_recover.workload.planner import replan_orphans  # noqa: E402
 
@@ -117,6 +119,21 @@ def table(results: list[dict], args, M: int) -> str:
                                f"{args.slow_from + args.settle}.\n")
 
 
+def figures(results: list[dict]) -> dict[str, float]:
+    """The record's figures, per slowdown factor F (``_x<F>``): each split's ratio, its slowed and failure-free
+    median steps, the integer bound; and the largest |dloss| against the failure-free run over every run."""
+    out: dict[str, float] = {}
+    for r in results:
+        x = f"x{r['factor']:g}"
+        out[f"ideal_ratio_{x}"] = r["ideal_ratio"]
+        for name in ("static", "rebalanced"):
+            m = r[name]
+            out.update({f"{name}_ratio_{x}": m["ratio"], f"{name}_slowed_step_ms_{x}": m["slowed_step_s"] * 1e3,
+                        f"{name}_free_step_ms_{x}": m["free_step_s"] * 1e3})
+    out["max_dloss"] = max(r[name]["max_dloss"] for r in results for name in ("static", "rebalanced"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--factors", type=float, nargs="+", default=[2.0, 4.0])
@@ -141,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     Path(args.out, "straggler.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     Path(args.out, "straggler.md").write_text(text)
+    write_record("straggler", argv=argv, command=command_line(argv, "benchmarks/straggler_bench.py"), args=args,
+                 samples={"results": results}, figures=figures(results))
     for r in results:
         print(f"straggler_rebalanced_ratio={r['rebalanced']['ratio']:.3f} "
               f"straggler_static_ratio={r['static']['ratio']:.3f} factor={r['factor']:g}")

@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.config import add_size_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
 from benchmarks.lib.outside_faults import Fault, clockwork_faults  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.side_by_side import (  # noqa: E402
     SystemRun,
@@ -267,6 +268,38 @@ def headline(s: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _key(system: str) -> str:
+    return system.replace("-", "_").replace("+", "_")
+
+
+def clockwork_figures(clock: dict, ratios: dict[str, float]) -> dict[str, float | None]:
+    """The record's figures of Clockwork runs: the time-to-N ratios, and per T and system the time to N from the
+    first committed step and the kills sent."""
+    out: dict[str, float | None] = dict(ratios)
+    for T, systems in clock.items():
+        for system, c in systems.items():
+            out[f"time_to_N_T{float(T):g}_{_key(system)}_s"] = c["time_to_n_from_first_step_s"]
+            out[f"kills_T{float(T):g}_{_key(system)}"] = c["kills_sent"]
+    return out
+
+
+def figures(data: dict[str, Any]) -> dict[str, float | None]:
+    """The record's figures of a full run (``vs_torchft.json``): the line's four numbers; per system its
+    failure-free median step and ratio to plain DDP; per system of the one fault, fault -> next commit, committed
+    steps lost, max |dloss| over the steps with M, and the time until all replicas compute again."""
+    s = data["summary"]
+    out: dict[str, float | None] = dict(data["headline"])
+    for system, step in s["step_s"].items():
+        out[f"{_key(system)}_step_ms"] = step * 1e3
+        out[f"{_key(system)}_over_ddp"] = s["overhead_vs_ddp"][system]
+    for system, f in s["fault"].items():
+        out.update({f"{_key(system)}_fault_to_next_commit_s": f["fault_to_next_commit_s"],
+                    f"{_key(system)}_committed_steps_lost": f["committed_steps_lost"],
+                    f"{_key(system)}_max_dloss_full_steps": f["max_dloss_full_steps"],
+                    f"{_key(system)}_full_replicas_again_s": f["full_replicas_again_s"]})
+    return out
+
+
 def _fmt(x: Any, unit: str = "") -> str:
     if x is None or (isinstance(x, float) and x != x):
         return "n/a"
@@ -342,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     md = report_md(args, s, line, command)
     write_json(out / "vs_torchft.json", {"command": command, "machine": machine_line(), "args": vars(args),
                                          "summary": s, "headline": h})
+    write_record("vs_torchft", argv=argv, command=command, args=args, samples={"summary": s, "headline": h},
+                 figures=figures({"summary": s, "headline": h}))
     (out / "vs_torchft.md").write_text(md)
     print(md, flush=True)
     print(line)
@@ -362,6 +397,9 @@ def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequen
                      " ".join(f"{name}={r:.4g}" for name, r in ratios.items())]) + "\n"
     write_json(out / "vs_torchft_clockwork.json", {"command": command, "machine": machine_line(),
                                                    "args": vars(args), "clockwork": clock, "ratios": ratios})
+    spare = "_spare" if "recover+spare" in args.clockwork_systems else ""
+    write_record(f"vs_torchft_clockwork{spare}", argv=argv, command=command, args=args,
+                 samples={"clockwork": clock, "ratios": ratios}, figures=clockwork_figures(clock, ratios))
     (out / "vs_torchft_clockwork.md").write_text(md)
     print(md, flush=True)
     return {"clockwork": clock, "ratios": ratios}

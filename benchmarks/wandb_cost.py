@@ -19,6 +19,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import make_config  # noqa: E402
+from benchmarks.lib.record import write_record  # noqa: E402
+from benchmarks.lib.report import command_line  # noqa: E402
 from nanotron_recover.runs import run_training  # noqa: E402
 
 MODES = ("offline", "disabled")
@@ -39,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             walls[mode].append(result.wall_s)
             print(f"[wandb_cost] {mode} job {i + 1}: {result.wall_s:.2f} s", flush=True)
     med = {mode: statistics.median(values) for mode, values in walls.items()}
+    write_record("wandb_cost", argv=argv, command=command_line(argv, "benchmarks/wandb_cost.py"), args=args,
+                 samples={"wall_s": walls}, figures={"offline_s": med["offline"], "disabled_s": med["disabled"],
+                                                     "saved_per_job_s": med["offline"] - med["disabled"]})
     print(f"wandb_offline_s={med['offline']:.2f} wandb_disabled_s={med['disabled']:.2f} "
           f"saved_per_job_s={med['offline'] - med['disabled']:.2f}")
     return med

@@ -5,7 +5,7 @@ Everything here is measured from what a run wrote: ``metrics.jsonl`` (every reco
 clock when it was written), the failure injector's markers (``<run_dir>/injected/``, each holding the time a rank
 wrote it just before its SIGKILL), and the driver's own launch / exit timestamps. Nothing is modelled or assumed.
 
-Definitions (also in benchmarks/RESULTS.md):
+Definitions (also in docs/benchmarks.md):
 
 * process-seconds: the integral over the run of the number of live processes (our stand-in for GPU-hours).
   A process counts from its job's launch until it dies (the injected SIGKILL), its replica is evicted (ReCoVer:

@@ -3,7 +3,8 @@
 A full file system (ENOSPC) or an exhausted quota (EDQUOT) is not a fault that a relaunch repairs: the job ends
 for a person, with the path, the free space and what was kept. The writers do not all say it the same way: Python
 raises ``OSError`` with the errno, safetensors wraps the OS error in its own exception's text (``StorageFull``), and
-torch's zip writer says only ``file write failed``; the free space of the file system then settles it. Standard
+torch's zip writer says only ``file write failed`` (then ``unexpected pos`` as it closes); for a writer given its
+path, the free space of the file system then settles it. Standard
 library only.
 """
 
@@ -32,7 +33,7 @@ def free_bytes(path: Path) -> int | None:
 
 def is_disk_full(error: BaseException, path: Path | None = None) -> bool:
     """Whether ``error`` (or an error it was raised from) is a write that failed for lack of space or quota.
-    ``path``: where it wrote, for writers that do not say why (then: is that file system nearly full?)."""
+    ``path``: where it wrote, for writers that do not say why: any error with that file system nearly full."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -42,7 +43,7 @@ def is_disk_full(error: BaseException, path: Path | None = None) -> bool:
         if any(text in str(current) for text in FULL_TEXTS):
             return True
         current = current.__cause__ or current.__context__
-    if path is not None and "write failed" in str(error):
+    if path is not None:  # torch's zip writer: "file write failed", then "unexpected pos" on closing
         free = free_bytes(path)
         return free is not None and free < NEARLY_FULL_BYTES
     return False

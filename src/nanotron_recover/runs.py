@@ -69,7 +69,10 @@ def run_training(
         output, _ = proc.communicate()
         raise TimeoutError(f"run did not finish in {timeout_s} s:\n{output[-6000:]}") from None
     wall = time.perf_counter() - t0
-    (run_dir / "output.log").write_text(output)
+    try:
+        (run_dir / "output.log").write_text(output)
+    except OSError:  # the run folder is full (a test of exactly that): the output is still returned
+        pass
     steps, events = read_metrics(run_dir)
     result = RunResult(run_dir, proc.returncode, output, wall, steps, events)
     if check and proc.returncode not in (0,):

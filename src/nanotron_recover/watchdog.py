@@ -48,14 +48,15 @@ def _say(message: str) -> None:
         pass
 
 
-def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = None) -> None:
+def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = None,
+            outcome: str = "restart outcome") -> None:
     """End the whole job now: SIGKILL ``rank_pid`` (default: this process) and SIGTERM its MPI daemon.
 
     When the parent is not an Open MPI daemon (a rank started by hand), only the rank is killed.
     """
     rank_pid = os.getpid() if rank_pid is None else rank_pid
     daemon_pid = os.getppid() if daemon_pid is None else daemon_pid
-    _say(f"[nanotron-recover] ending the job (restart outcome): {reason}")
+    _say(f"[nanotron-recover] ending the job ({outcome}): {reason}")
     if _process_name(daemon_pid) in MPI_DAEMONS:
         try:
             os.kill(daemon_pid, signal.SIGTERM)

@@ -63,3 +63,25 @@ def test_a_startup_fault_ends_the_job_with_the_restart_outcome(at, signal, tiny_
     again = run_training(config, tmp_path, timeout_s=240, extra_args=["--synthetic-data"])  # the fault fired once
     assert [s["step"] for s in again.steps] == list(range(1, STEPS + 1)), again.output[-4000:]
     assert outcome(tmp_path, again.returncode) == "done"
+
+
+@pytest.mark.timeout(600)
+def test_the_same_startup_failure_on_three_launches_stops_requeueing(tiny_config, tmp_path):
+    """A start-up failure that comes back on every launch (here: the fault's marker removed before each relaunch,
+    as a broken node would do it again) exits 3 twice, then 2: a requeue loop would burn the allocation."""
+    import shutil
+
+    from nanotron_recover.exit_codes import EXIT_NEEDS_PERSON
+
+    inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": "after_mpi_init", "signal": "kill"}]
+    config = startup_config(tiny_config, inject)
+    codes = []
+    for _ in range(3):
+        shutil.rmtree(tmp_path / "injected", ignore_errors=True)
+        result = run_training(config, tmp_path, timeout_s=STARTUP_TIMEOUT_S + 90, extra_args=["--synthetic-data"],
+                              check=False)
+        assert result.steps == [], result.output[-3000:]
+        codes.append(result.returncode)
+    assert codes == [EXIT_RESTART, EXIT_RESTART, EXIT_NEEDS_PERSON], result.output[-3000:]
+    assert "the same start-up failure on 3 launches in a row" in result.output
+    assert outcome(tmp_path, 1) == "needs_person"  # the Slurm helper reads the same count from the run folder

@@ -220,13 +220,13 @@ def _end_for_full_disk(dp: Any, error: Exception) -> None:
     latest = run_folder.latest_checkpoint_step(run_dir, path)
     kept = (f"the checkpoint of step {latest} ({run_folder.checkpoints_root(run_dir, path) / 'latest.txt'}) and "
             "the node-local snapshots")
-    line = full_disk_line(written_path(error), kept)
+    line = full_disk_line(written_path(error, run_dir), kept)
     print(f"[nanotron-recover] rank {dp.ft.rank}: {line}", file=sys.stderr, flush=True)
     try:
         dp.on_exit(EXIT_NEEDS_PERSON, line, disk_full=True)
     except OSError:  # no room even for the record: the launcher checks the free space itself
         pass
-    end_job(line)
+    end_job(line, outcome="a person must act")
 
 
 def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
@@ -253,7 +253,10 @@ def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
         return EXIT_DONE, reason
     traceback.print_exc()
     sys.stderr.flush()
-    dp.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
+    try:
+        dp.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
+    except OSError:  # no record, but the job must still end now
+        pass
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(EXIT_ABORTED)

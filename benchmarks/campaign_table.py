@@ -27,7 +27,7 @@ from benchmarks.lib.campaign import KINDS  # noqa: E402
 
 _LINE = re.compile(r"seed +(?P<seed>\d+) +(?P<shape>\S+) +(?P<kind>\S+) +(?P<outcome>\S+) +launches (?P<launches>\d+)"
                    r" .*\] (?P<verdict>ok|FAILED: .*?)(?: false kills: (?P<kills>.*))?$")
-OUTCOMES = ("done", "restart->done", "FAIL", "STALL")
+OUTCOMES = ("done", "restart->done", "FAIL", "STALL")  # always columns; others (person->done, ...) when seen
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,16 @@ def table(trials: Sequence[TrialLine]) -> str:
     shapes = sorted({t.shape for t in trials})
     by_shape = Counter((t.kind, t.shape) for t in trials)
     by_outcome = Counter((t.kind, t.outcome) for t in trials)
-    head = ["kind", *shapes, *OUTCOMES, "trials"]
+    outcomes = [*OUTCOMES[:2], *sorted({t.outcome for t in trials} - set(OUTCOMES)), *OUTCOMES[2:]]
+    head = ["kind", *shapes, *outcomes, "trials"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     kinds = [k for k in KINDS if any(t.kind == k for t in trials)] + sorted({t.kind for t in trials} - set(KINDS))
     for kind in kinds:
         cells = [str(by_shape.get((kind, s), 0)) for s in shapes]
-        cells += [str(by_outcome.get((kind, o), 0)) for o in OUTCOMES]
+        cells += [str(by_outcome.get((kind, o), 0)) for o in outcomes]
         lines.append(f"| {kind} | " + " | ".join(cells) + f" | {sum(1 for t in trials if t.kind == kind)} |")
     totals = [str(sum(1 for t in trials if t.shape == s)) for s in shapes]
-    totals += [str(sum(1 for t in trials if t.outcome == o)) for o in OUTCOMES]
+    totals += [str(sum(1 for t in trials if t.outcome == o)) for o in outcomes]
     lines.append("| all | " + " | ".join(totals) + f" | {len(trials)} |")
     return "\n".join(lines)
 

@@ -8,7 +8,10 @@ relaunches while the launcher says "restart" (exit 3; a lost node's trial on a f
 then checks:
 
 * the job ended by itself: every launch within ``--launch-bound-s`` (no stall), at most ``--relaunches``;
-* the outcome is done, directly or after relaunches that each followed exit 3;
+* the outcome is done, directly or after relaunches that each followed exit 3; a ``checkpoint-damage`` trial damages
+  one file of the finished run's final checkpoint and relaunches (it must fall back to the previous intact
+  checkpoint: ``done->damaged->done``); a ``non-finite`` trial must end with exit 2 with no step from the poisoned
+  one logged or saved, and is relaunched with the fault removed (``person->done``);
 * every committed step has exactly M microbatches, and every logged loss (replays after a relaunch included)
   equals the failure-free run of the same shape within the tolerance (1e-5 in fp32, whose summation-order floor
   is ~1e-7; in bf16 3x the floor measured here, a failure-free run with another split of the same M);
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -45,8 +49,9 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
-from nanotron_recover.exit_codes import EXIT_DONE, EXIT_RESTART  # noqa: E402
+from nanotron_recover.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART  # noqa: E402
 from nanotron_recover.run_folder import (  # noqa: E402
+    latest_checkpoint_step,
     read_metrics_jsonl,
     record_external_fault,
     run_id,
@@ -99,7 +104,6 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
     pending = sorted(faults, key=lambda f: (f.after_step, f.delay_s))
     sent: list[str] = []
     due: float | None = None
-    stopped_mpirun: int | None = None
     while launcher.poll() is None:
         now = time.monotonic()
         if now - t0 > bound_s:
@@ -122,16 +126,8 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
                     for rank in fault.ranks:
                         _signal(pids.get(rank), fault.signal)
                 else:
-                    target = mpirun_pid(launcher.pid)
-                    _signal(target, fault.signal)
-                    if fault.signal == "stop":
-                        stopped_mpirun = target
+                    _signal(mpirun_pid(launcher.pid), fault.signal)  # a frozen one: the launcher must end it
                 sent.append(f"{fault.describe()} at {now - t0:.1f} s")
-        if stopped_mpirun is not None and not rank_processes(run_dir):
-            # a frozen mpirun never returns: once its ranks are gone (they end by themselves), end it as an
-            # operator would, and the launcher judges what the run wrote
-            _signal(stopped_mpirun, "kill")
-            stopped_mpirun = None
         time.sleep(0.05)
     return Launch(launcher.returncode, time.monotonic() - t0, sent)
 
@@ -212,7 +208,7 @@ def _bf16_floor(shape: Shape, out: Path, losses: dict[int, float], bound_s: floa
 @dataclass
 class TrialResult:
     trial: Trial
-    outcome: str  # "done" | "restart->done" | "FAIL" | "STALL"
+    outcome: str  # "done" | "restart->done" | "done->damaged->done" | "person->done" | "FAIL" | "STALL"
     problems: list[str]
     launches: int
     wall_s: float
@@ -234,29 +230,10 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(shm, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    path = write_config(shape.config(trial.inject, str(shm)), run_dir / "config.yaml")
     problems: list[str] = []
-    launches: list[Launch] = []
-    outcome = "FAIL"
-    for attempt in range(1 + relaunches):
-        # a lost node's trial relaunches on a fresh bed of the same size (the node replaced)
-        bed = make_bed(out / "beds" / f"{trial.seed}-{attempt}", shape.nodes) if trial.on_bed() else None
-        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed)
-        launches.append(launch)
-        if launch.rc is None:
-            outcome = "STALL"
-            problems.append(f"launch {attempt + 1} did not end within {bound_s:g} s")
-            break
-        if launch.rc == EXIT_DONE:
-            outcome = "done" if attempt == 0 else "restart->done"
-            break
-        if launch.rc != EXIT_RESTART:
-            problems.append(f"launch {attempt + 1} exited {launch.rc} (neither done nor restart)")
-            break
-    else:
-        problems.append(f"still not done after {relaunches} relaunches")
+    outcome, launches = _launch_until_done(trial, out, run_dir, str(shm), problems, bound_s, relaunches)
     max_dloss = _check_records(run_dir, shape, reference, problems)
-    if outcome in ("done", "restart->done"):
+    if outcome.endswith("done"):
         try:
             rel = max_relative_param_diff(final_checkpoint(run_dir), reference.checkpoint)
             if rel > reference.tol:
@@ -269,6 +246,81 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
         outcome = "FAIL"
     return TrialResult(trial, outcome, problems, len(launches), sum(launch.wall_s for launch in launches), false_kills,
                        max_dloss)
+
+
+def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problems: list[str], bound_s: float,
+                       relaunches: int) -> tuple[str, list[Launch]]:
+    """Launch, and relaunch as an operator would: after exit 3; after a finished run whose final checkpoint the
+    trial then damages; after the non-finite trial's exit 2, with the fault removed. -> (outcome, launches):
+    the outcomes in order (``restart->done``, ``done->damaged->done``, ``person->done``), or ``STALL``/``FAIL``."""
+    path = write_config(trial.shape.config(trial.inject, shm), run_dir / "config.yaml")
+    launches: list[Launch] = []
+    said: list[str] = []
+    for attempt in range(1 + relaunches + (trial.damage is not None)):
+        # a lost node's trial relaunches on a fresh bed of the same size (the node replaced)
+        bed = make_bed(out / "beds" / f"{trial.seed}-{attempt}", trial.shape.nodes) if trial.on_bed() else None
+        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed)
+        launches.append(launch)
+        if launch.rc is None:
+            problems.append(f"launch {attempt + 1} did not end within {bound_s:g} s")
+            return "STALL", launches
+        if launch.rc == EXIT_DONE and trial.damage is not None and "damaged" not in said:
+            problems.extend(damage_final_checkpoint(run_dir, trial.damage))
+            said += ["done", "damaged"]
+            continue
+        if launch.rc == EXIT_DONE:
+            return "->".join([*said, "done"]), launches
+        if launch.rc == EXIT_NEEDS_PERSON and trial.kind == "non-finite" and "person" not in said:
+            _check_nothing_committed_at(run_dir, trial.inject[0]["step"], problems)
+            write_config(trial.shape.config([], shm), path)  # the fault removed
+            said.append("person")
+            continue
+        if launch.rc != EXIT_RESTART:
+            problems.append(f"launch {attempt + 1} exited {launch.rc} (neither done nor restart)")
+            return "FAIL", launches
+        said.append("restart")
+    problems.append(f"still not done after {relaunches} relaunches")
+    return "FAIL", launches
+
+
+DAMAGED = {  # one file of each kind a checkpoint holds
+    "weights": lambda ckpt: sorted((ckpt / "model").rglob("*.safetensors")),
+    "optimizer": lambda ckpt: sorted((ckpt / "optimizer").glob("optimizer_*.pt")),
+    "lr_scheduler": lambda ckpt: [ckpt / "lr_scheduler" / "lr_scheduler.pt"],
+    "trainer_state": lambda ckpt: [ckpt / "trainer_state.json"],
+}
+
+
+def damage_final_checkpoint(run_dir: Path, damage: dict) -> list[str]:
+    """Flip 4 KB (or the middle half of a smaller file) or cut to half one file of the final checkpoint, chosen
+    from the trial's seed. -> problems (the checkpoint or the file is missing)."""
+    rng = random.Random(damage["seed"])
+    try:
+        files = [f for f in DAMAGED[damage["file"]](final_checkpoint(run_dir)) if f.is_file()]
+    except FileNotFoundError as e:
+        return [f"no final checkpoint to damage: {e}"]
+    if not files:
+        return [f"the final checkpoint holds no {damage['file']} file"]
+    target = rng.choice(files)
+    data = bytearray(target.read_bytes())
+    if damage["how"] == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        n = min(4096, len(data) // 2)
+        start = rng.randrange(0, len(data) - n + 1)
+        data[start:start + n] = bytes(rng.randrange(256) for _ in range(n))
+    target.write_bytes(bytes(data))
+    return []
+
+
+def _check_nothing_committed_at(run_dir: Path, step: int, problems: list[str]) -> None:
+    """The non-finite trial's first launch: no step from the poisoned one on logged or checkpointed."""
+    logged = [int(r["step"]) for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    if any(s >= step for s in logged):
+        problems.append(f"step(s) >= the non-finite step {step} were logged: {sorted(set(logged))}")
+    saved = latest_checkpoint_step(run_dir)
+    if saved is not None and saved >= step:
+        problems.append(f"latest.txt names step {saved} >= the non-finite step {step}")
 
 
 def _check_records(run_dir: Path, shape: Shape, reference: Reference, problems: list[str]) -> float:

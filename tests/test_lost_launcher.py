@@ -2,7 +2,7 @@
 
 * ``mpirun`` SIGSTOPped mid-run (a frozen head node, a stalled log pipe): the ranks train to the last step, and
   then must not wait in ``MPI_Finalize`` for ever: every rank process is gone within ``finalize_timeout_s``.
-  Killing the frozen ``mpirun`` afterwards then leaves nothing behind, and the launcher says "done" (exit 0).
+  The launcher then ends the frozen ``mpirun`` itself, leaves nothing behind, and says "done" (exit 0).
 * ``mpirun`` SIGSTOPped and then SIGKILLed mid-run: the ranks are orphans (their daemon is gone); they must end
   by themselves instead of training on beside a relaunch, and the launcher says "restart" (exit 3).
 """
@@ -80,7 +80,12 @@ def end(launcher: subprocess.Popen, run_dir: Path) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive(tiny_config, tmp_path):
+def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive_nor_the_launcher(tiny_config, tmp_path):
+    """Nothing is done from outside after the freeze: the launcher itself ends the frozen mpirun once its ranks are
+    gone (:mod:`nanotron_recover.mpirun_watch`) and judges the run (before: it waited on mpirun until killed)."""
+    from nanotron_recover.mpirun_watch import RANKS_GONE_S
+    from nanotron_recover.procfs import proc_stat
+
     launcher = launch(tiny_config, tmp_path)
     try:
         mpirun = freeze_mpirun_after_step_2(launcher, tmp_path, "stop-mpirun")
@@ -89,10 +94,13 @@ def test_a_frozen_mpirun_does_not_keep_finished_ranks_alive(tiny_config, tmp_pat
         assert last_logged_step(tmp_path) == STEPS
         took = wait_until(lambda: not rank_processes(tmp_path), FINALIZE_TIMEOUT_S + 10,
                           "the finished ranks end although mpirun is frozen")
-        os.kill(mpirun, signal.SIGKILL)
-        assert launcher.wait(timeout=60) == EXIT_DONE, (tmp_path / "launcher.log").read_text()[-3000:]
+        t0 = time.monotonic()
+        assert launcher.wait(timeout=RANKS_GONE_S + 30) == EXIT_DONE, (tmp_path / "launcher.log").read_text()[-3000:]
+        waited = time.monotonic() - t0
+        assert proc_stat(mpirun) is None, "the frozen mpirun is gone"
+        assert ": ending it (SIGKILL)" in (tmp_path / "launcher.log").read_text()
         print(f"\nmpirun frozen: the finished ranks ended {took:.1f} s after their exit records "
-              f"(finalize_timeout_s {FINALIZE_TIMEOUT_S})")
+              f"(finalize_timeout_s {FINALIZE_TIMEOUT_S}); the launcher ended mpirun and exited {waited:.1f} s later")
     finally:
         end(launcher, tmp_path)
 

@@ -103,7 +103,13 @@ SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 # Fault kinds. "ext-*" are signals sent from outside, by pid, at a random moment; the others are schedules in the
 # config (``fault_tolerance.inject``), fired by the rank itself at a named phase.
 KINDS = ("ext-kill", "ext-stop", "startup-kill", "startup-stop", "pair-same-replica", "pair-two-replicas",
-         "second-in-repair", "phase", "hang", "launcher-kill", "launcher-stop", "node-loss")
+         "second-in-repair", "phase", "hang", "launcher-kill", "launcher-stop", "node-loss", "checkpoint-damage",
+         "non-finite")
+# "checkpoint-damage": the finished run's final checkpoint is damaged (one file of a kind, flipped or cut short);
+# the relaunch must fall back to the previous intact checkpoint and train to the same weights.
+# "non-finite": one microbatch of a step is poisoned (signal nan); the job must end for a person (exit 2) with
+# nothing of that step committed, and the relaunch with the fault removed must finish on the failure-free losses.
+DAMAGED_FILES = ("weights", "optimizer", "lr_scheduler", "trainer_state")
 PHASES = ("dataload", "forward", "backward", "reduce", "optimizer", "checkpoint")
 
 
@@ -133,6 +139,7 @@ class Trial:
     kind: str
     inject: list[dict] = field(default_factory=list)
     external: list[ExternalFault] = field(default_factory=list)
+    damage: dict | None = None  # checkpoint-damage: {"file": one of DAMAGED_FILES, "how": "flip" | "truncate"}
 
     def frozen_ranks(self) -> set[int] | None:
         """World ranks this trial freezes or hangs (a hang kill of any other rank is a false kill); None when one
@@ -152,6 +159,8 @@ class Trial:
     def describe(self) -> str:
         parts = [f"{s.get('signal', 'kill')} r{s['replica']}.{s.get('rank', 0)} step {s['step']} {s['phase']}"
                  for s in self.inject] + [f.describe() for f in self.external]
+        if self.damage is not None:
+            parts.append(f"final checkpoint's {self.damage['file']} {self.damage['how']}")
         return "; ".join(parts)
 
 
@@ -205,6 +214,11 @@ def draw_trial(seed: int, shapes: tuple[Shape, ...] = SHAPES, kinds: tuple[str, 
     elif kind == "node-loss":  # one replica per fake node; any node, the one holding the logging rank included
         trial.external.append(ExternalFault("node", [], step - 1, rng.uniform(0.0, 0.1),
                                             node=f"n{rng.randrange(shape.replicas) + 1}"))
+    elif kind == "checkpoint-damage":
+        trial.damage = {"file": rng.choice(DAMAGED_FILES), "how": rng.choice(("flip", "truncate")),
+                        "seed": rng.randrange(2**31)}
+    elif kind == "non-finite":
+        trial.inject.append({"step": step, "replica": replica, "rank": local, "phase": "forward", "signal": "nan"})
     return trial
 
 

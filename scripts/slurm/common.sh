@@ -13,7 +13,8 @@
 #   MAX_RESTARTS    relaunches before giving up (default 3; counts Slurm requeues and in-allocation loops)
 #   MPIRUN_ARGS     extra mpirun options (e.g. "--mca btl_tcp_if_include eth0")
 #
-# Exit codes of the job: 0 finished, 2 bad input, 3 not finished and no restart left (or RECOVER_RESTART=none).
+# Exit codes of the job: 0 finished, 2 a person must act (bad input, damaged state, a full disk, a non-finite step,
+# a bug, the same start-up failure on 3 launches in a row), 3 not finished and no restart left (or RECOVER_RESTART=none).
 
 recover_die() { echo "[recover-sbatch] error: $*" >&2; exit 2; }
 recover_log() { echo "[recover-sbatch] $(date +%H:%M:%S) $*"; }

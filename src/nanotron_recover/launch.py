@@ -29,7 +29,10 @@ from nanotron_recover.run_folder import (
 )
 
 if TYPE_CHECKING:
+    import subprocess
+
     from nanotron_recover.config import RecoverConfig
+    from nanotron_recover.mpirun_watch import MpirunWatch
 
 
 HOSTFILE_ENV = "NANOTRON_RECOVER_HOSTFILE"  # an Open MPI hostfile for the launch
@@ -41,6 +44,7 @@ PRRTE_STARTUP_FAILURES = (
     "A daemon failed to report back after being spawned",
 )
 LAUNCH_RETRIES = 2
+WATCH_EVERY_S = 0.5  # how often the launcher looks at a running mpirun
 LAUNCH_RETRY_PAUSE_S = 2.0
 OUTPUT_TAIL_BYTES = 16384
 
@@ -103,7 +107,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.sharded_replicas:
         mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
-    return _judge(run_dir, config, launch_with_retries(cmd, run_dir), args.max_startup_failures)
+    from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
+
+    finalize_s = (config.fault_tolerance or FaultToleranceArgs()).finalize_timeout_s
+    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=finalize_s)
+    return _judge(run_dir, config, rc, args.max_startup_failures)
 
 
 def launch_record(config: "RecoverConfig", by: str) -> dict:
@@ -116,11 +124,12 @@ def launch_record(config: "RecoverConfig", by: str) -> dict:
             "slurm_restart": os.environ.get("SLURM_RESTART_COUNT")}
 
 
-def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES) -> int:
+def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES,
+                        finalize_timeout_s: float = 60.0) -> int:
     """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything."""
     for attempt in range(1 + retries):
         started = time.time()
-        rc, tail = _run_forwarding_signals(cmd)
+        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s)
         failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, tail)
         if failure is None or attempt == retries:
             return rc
@@ -128,6 +137,26 @@ def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RET
               f"({attempt + 1}/{retries})", file=sys.stderr, flush=True)
         time.sleep(LAUNCH_RETRY_PAUSE_S)
     return rc
+
+
+def _wait_watching(proc: "subprocess.Popen", watch: "MpirunWatch | None") -> int:
+    """mpirun's return code; a frozen or stuck mpirun is ended when the watch says so."""
+    import subprocess
+
+    from nanotron_recover.mpirun_watch import end_mpirun
+
+    while True:
+        try:
+            return proc.wait(timeout=WATCH_EVERY_S)
+        except subprocess.TimeoutExpired:
+            why = watch.overdue() if watch is not None else None
+            if why is not None:
+                print(f"[nanotron-recover] {why}: ending it (SIGKILL); the run is judged by what it wrote",
+                      file=sys.stderr, flush=True)
+                end_mpirun(proc.pid)
+                watch = None
+        except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
+            continue
 
 
 def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
@@ -139,14 +168,17 @@ def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
     return next((m for m in PRRTE_STARTUP_FAILURES if m in text), None)
 
 
-def _run_forwarding_signals(cmd: list[str]) -> tuple[int, bytes]:
+def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None,
+                            finalize_timeout_s: float = 60.0) -> tuple[int, bytes]:
     """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); SIGTERM,
     SIGINT and SIGHUP sent to the launcher go on to mpirun, which ends the job. Its output passes through
-    unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`)."""
+    unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`). A frozen or
+    stuck mpirun is ended within a bound (:mod:`nanotron_recover.mpirun_watch`), never waited on for ever."""
     import signal
     import subprocess
     import threading
 
+    from nanotron_recover.mpirun_watch import MpirunWatch
     from nanotron_recover.output_filter import NoiseFilter, noise_summary
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -176,12 +208,7 @@ def _run_forwarding_signals(cmd: list[str]) -> tuple[int, bytes]:
     forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
-    while True:
-        try:
-            rc = proc.wait()
-            break
-        except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
-            continue
+    rc = _wait_watching(proc, MpirunWatch(proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None)
     for thread in pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us here
         thread.join(5.0)
     summary = noise_summary(sum(f.dropped for f in filters))

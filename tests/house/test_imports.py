@@ -22,7 +22,7 @@ FLOORS: list[set[str]] = [
     {"recovery"},  # layer 2 (uses layers 1 and 3)
     {"hsdp", "stock", "preflight"},
     {"trainer", "overrides", "runs"},
-    {"train", "launch"},  # the entry points
+    {"train", "launch", "mpirun_watch"},  # the entry points, the launcher's watch over its mpirun
     {"testbed"},  # tools to try faults on one machine
 ]
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}

@@ -115,3 +115,26 @@ def test_a_checkpoint_resumes_only_in_its_own_dtype(saved, dtype, error, tiny_co
     else:
         with pytest.raises(ValueError, match=error):
             check_resumable(tmp_path, config)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 60)
+def test_a_run_started_from_resume_checkpoint_path_relaunches_from_its_own_state(tiny_config, tmp_path):
+    """``resume_checkpoint_path`` starts a run; the relaunch after a stop resumes from the run's own state (its
+    checkpoint or node-local snapshot of the last committed step), not from that path again (before: every
+    relaunch was pinned to it, with node-local snapshots off, and recomputed every step since)."""
+    ft = {"enabled": True}
+    config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)
+    full = run_training(config, tmp_path / "full", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    started = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT,
+                          fault_tolerance={**ft, "min_replicas": 2,
+                                           "inject": [{"step": SAVE_AT + 2, "replica": 1, "phase": "backward"}]})
+    started["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "full" / "checkpoints" / str(SAVE_AT))
+    first = run_training(started, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"], check=False)
+    assert first.returncode == 3, first.output[-4000:]  # below min_replicas: stopped after step SAVE_AT + 1
+    again = run_training(started, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert f"at step {SAVE_AT + 1}" in again.output and "checkpoints of its own" in again.output, again.output[-4000:]
+    logged = [int(r["step"]) for r in read_metrics_jsonl(tmp_path / "run") if "event" not in r]
+    assert logged == list(range(SAVE_AT + 1, STEPS + 1))  # no step computed twice
+    diff = np.abs(np.array(again.losses) - np.array(full.losses[SAVE_AT:])).max()
+    assert diff <= 1e-5, f"losses differ by {diff:.2e}"

@@ -48,10 +48,10 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def launch(tiny_config, run_dir: Path) -> subprocess.Popen:
+def launch(tiny_config, run_dir: Path, inject: list[dict] | None = None) -> subprocess.Popen:
     config = tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=STEPS,
                          fault_tolerance={"enabled": True, "local_snapshot_interval": 0,
-                                          "finalize_timeout_s": FINALIZE_TIMEOUT_S})
+                                          "finalize_timeout_s": FINALIZE_TIMEOUT_S, "inject": inject or []})
     path = write_config(config, run_dir / "config.yaml")
     cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(path),
            "--run-dir", str(run_dir), "--synthetic-data"]
@@ -118,5 +118,27 @@ def test_ranks_orphaned_by_a_killed_mpirun_end_by_themselves(tiny_config, tmp_pa
         assert code == EXIT_RESTART, (tmp_path / "launcher.log").read_text()[-3000:]
         assert last_logged_step(tmp_path) < STEPS
         print(f"\nmpirun killed while frozen: the orphaned ranks ended within {took:.1f} s; launcher exit {code}")
+    finally:
+        end(launcher, tmp_path)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_two_launches_never_write_one_run_folder(tiny_config, tmp_path, monkeypatch):
+    """A second launch on a run folder that a running job holds (a requeue beside a job that is still alive, an
+    operator's second command) is refused with exit 2, naming the holder; the job goes on untouched."""
+    from nanotron_recover.exit_codes import EXIT_NEEDS_PERSON
+
+    monkeypatch.setenv("NANOTRON_RECOVER_LOCK_WAIT_S", "1")
+    slow = [{"step": 1, "replica": 0, "signal": "slow", "factor": 30}]  # a job that runs long enough
+    launcher = launch(tiny_config, tmp_path, inject=slow)
+    try:
+        wait_until(lambda: last_logged_step(tmp_path) >= 1, 120, "step 1")
+        second = subprocess.run([sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file",
+                                 str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path), "--synthetic-data"],
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == EXIT_NEEDS_PERSON, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "in use by another launch" in second.stderr and f"launcher pid {launcher.pid}" in second.stderr
+        assert last_logged_step(tmp_path) < STEPS, "the first job was still running"
+        assert launcher.wait(timeout=TIMEOUT_S - 60) == EXIT_DONE, (tmp_path / "launcher.log").read_text()[-3000:]
     finally:
         end(launcher, tmp_path)

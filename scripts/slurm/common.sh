@@ -63,7 +63,7 @@ recover_mpirun_cmd() {
         MPI_CMD+=(--oversubscribe)
     fi
     [[ $(id -u) -eq 0 ]] && MPI_CMD+=(--allow-run-as-root)
-    MPI_CMD+=(-x PYTHONUNBUFFERED)
+    MPI_CMD+=(-x PYTHONUNBUFFERED -x NANOTRON_RECOVER_LAUNCH_TOKEN)  # the token: set anew before each launch
     [[ -n ${OMP_NUM_THREADS:-} ]] && MPI_CMD+=(-x OMP_NUM_THREADS)
     if [[ $mode == stock ]]; then
         # stock nanotron: one torch world over all ranks, rendezvous on the first node (what torchrun would do)
@@ -92,6 +92,9 @@ recover_run() {
                 "($RECOVER_REPLICAS replicas x $RECOVER_RANKS_PER_REPLICA), mode $mode, run dir $RUN_DIR"
     recover_log "nodes ${SLURM_JOB_NODELIST:-?}, task slots ${SLURM_NTASKS:-?}"
     while :; do
+        # one token per launch: the temporary names its checkpoint writers use (no other launch publishes them)
+        NANOTRON_RECOVER_LAUNCH_TOKEN=$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')
+        export NANOTRON_RECOVER_LAUNCH_TOKEN
         recover_log "launch: ${MPI_CMD[*]}"
         "$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" begin --config-file "$CONFIG" \
             --run-dir "$RUN_DIR" ${TRAIN_ARGS:-} >/dev/null || recover_die "cannot record the launch in $RUN_DIR"

@@ -33,13 +33,16 @@ from nanotron_recover.checkpoint_resume import (  # noqa: F401 - resolve_checkpo
     StartupPeers,
     choose_intact,
     latest_step,
+    numbered_checkpoints,
     resolve_checkpoint,
 )
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.disk_space import DiskFull, is_disk_full, written_path
 from nanotron_recover.exit_codes import NeedsPerson
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
-from nanotron_recover.run_folder import fsync_dir, write_atomically
+from nanotron_recover.run_folder import LAUNCH_TOKEN_ENV, fsync_dir, write_atomically
+
+TMP_PREFIX = ".tmp-step-"
 
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 
@@ -162,7 +165,10 @@ class CheckpointManager:
         """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place."""
         if not writer:
             return
-        tmp = self.root / f".tmp-step-{step}"
+        # a name of this launch and world epoch alone: a writer of another launch (a frozen node that thaws) or of
+        # an earlier attempt at this step can never publish what this one wrote
+        token = os.environ.get(LAUNCH_TOKEN_ENV, "0")
+        tmp = self.root / f"{TMP_PREFIX}{step}-{token}-e{(extra_state or {}).get('epoch', 0)}"
         if (self.root / str(step) / STATE_FILE).is_file():
             # saved already: the fallback save right after an interval save, or a relaunch that adopted a folder
             # whose pointer was never written (the pointer follows)
@@ -182,7 +188,8 @@ class CheckpointManager:
         final = self.root / str(step)
         if publisher:
             self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed writers' (the run folder's lock is ours)
+                shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
         self.layout.write(trainer, tmp, step)
@@ -206,8 +213,16 @@ class CheckpointManager:
         write_atomically(self.root / LATEST, f"{step}\n", durable=True)
 
     def choose(self, peers: StartupPeers) -> ResumeChoice:
-        """Collective at start-up: the newest intact checkpoint (:mod:`nanotron_recover.checkpoint_resume`)."""
-        return choose_intact(self.root, self.resume_path, peers)
+        """Collective at start-up: the newest intact checkpoint (:mod:`nanotron_recover.checkpoint_resume`). An
+        explicit ``resume_checkpoint_path`` starts a run; once the run has checkpoints of its own, its relaunches
+        resume from those (and from its node-local snapshots), as the launcher says, not from that path again."""
+        source = self.resume_path
+        if source is not None and numbered_checkpoints(self.root):
+            if peers.startup_share()[0] == 0:
+                print(f"[nanotron-recover] this run has checkpoints of its own in {self.root}: resuming from them "
+                      f"(checkpoints.resume_checkpoint_path {source} started the run)", flush=True)
+            source = None
+        return choose_intact(self.root, source, peers)
 
     def load(self, trainer: "TrainingState", choice: ResumeChoice, peers: StartupPeers) -> int:
         """Collective: load the chosen checkpoint into model, optimizer and LR scheduler; return its step. A read

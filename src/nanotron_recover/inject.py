@@ -44,7 +44,7 @@ from nanotron_recover.phases import FAULT_PHASES
 PHASES = tuple(p.value for p in FAULT_PHASES)  # see nanotron_recover.phases for what each means
 SIGNALS = ("kill", "stop", "hang", "slow", "nan")
 # Where a ``startup`` fault lands, in start-up order.
-STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load")
+STARTUP_POINTS = ("before_mpi_init", "after_mpi_init", "model_build", "checkpoint_load", "agreed")
 
 
 @dataclass(frozen=True)

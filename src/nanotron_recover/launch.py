@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import secrets
 import shlex
 import socket
 import sys
@@ -20,10 +21,13 @@ from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PE
 from nanotron_recover.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.overrides import add_override_args, forwarded_args, load_effective_config
 from nanotron_recover.run_folder import (
+    LAUNCH_TOKEN_ENV,
     NEEDS_PERSON,
     OUTCOME_EXIT_CODES,
+    RunFolderBusy,
     begin_launch,
     exit_reasons,
+    hold_run_folder,
     judge_launch,
     ranks_wrote_since,
 )
@@ -70,7 +74,7 @@ def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig",
     config = load_effective_config(args)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
     program = python_module_command("nanotron_recover.train", forwarded_args(args, run_dir))
-    env = {"PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONUNBUFFERED": "1", LAUNCH_TOKEN_ENV: secrets.token_hex(4)}
     if not config.ft_enabled:
         # stock layout: one torch world, rendezvous as torchrun would do it
         env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(_free_port()))
@@ -102,6 +106,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    try:
+        lock = hold_run_folder(run_dir)
+    except RunFolderBusy as e:
+        print(f"nanotron-recover: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NEEDS_PERSON
     begin_launch(run_dir, launch_record(config, by="nanotron-recover train"))
     mode = "ReCoVer (ULFM)" if config.ft_enabled else "stock nanotron data path"
     if config.sharded_replicas:
@@ -110,7 +119,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
 
     finalize_s = (config.fault_tolerance or FaultToleranceArgs()).finalize_timeout_s
-    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=finalize_s)
+    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=finalize_s, pass_fds=(lock,))
     return _judge(run_dir, config, rc, args.max_startup_failures)
 
 
@@ -125,11 +134,11 @@ def launch_record(config: "RecoverConfig", by: str) -> dict:
 
 
 def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES,
-                        finalize_timeout_s: float = 60.0) -> int:
+                        finalize_timeout_s: float = 60.0, pass_fds: tuple[int, ...] = ()) -> int:
     """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything."""
     for attempt in range(1 + retries):
         started = time.time()
-        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s)
+        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s, pass_fds)
         failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, tail)
         if failure is None or attempt == retries:
             return rc
@@ -168,8 +177,8 @@ def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
     return next((m for m in PRRTE_STARTUP_FAILURES if m in text), None)
 
 
-def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None,
-                            finalize_timeout_s: float = 60.0) -> tuple[int, bytes]:
+def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None, finalize_timeout_s: float = 60.0,
+                            pass_fds: tuple[int, ...] = ()) -> tuple[int, bytes]:
     """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); SIGTERM,
     SIGINT and SIGHUP sent to the launcher go on to mpirun, which ends the job. Its output passes through
     unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`). A frozen or
@@ -181,7 +190,8 @@ def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None,
     from nanotron_recover.mpirun_watch import MpirunWatch
     from nanotron_recover.output_filter import NoiseFilter, noise_summary
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # the run folder's lock goes with mpirun: held while the job lives, even if the launcher is killed
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds)
     tail = bytearray()
     lock = threading.Lock()
     filters = [NoiseFilter(), NoiseFilter()]

@@ -12,6 +12,7 @@ One run folder (``--run-dir``) holds everything a run leaves behind, over all th
     injected/<name>      one JSON record per fired fault of the schedule, and a marker per fault sent from outside
     hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
     checkpoints/         nanotron checkpoints and ``latest.txt`` (the path is configurable)
+    .launch.lock         held (flock) by the launch that writes the folder: two launches never write it at once
 
 Nothing is ever half written: records are written to a temporary file and renamed into place, and lines are
 appended with one ``write`` on an ``O_APPEND`` descriptor. Standard library only: the start-up guard and the fault
@@ -250,6 +251,44 @@ def begin_launch(run_dir: Path, record: dict[str, Any]) -> int:
 def read_launches(run_dir: Path) -> list[dict[str, Any]]:
     """The launch records of the run, oldest first (a torn line is skipped)."""
     return [r for r in read_metrics_jsonl(Path(run_dir) / LAUNCHES_FILE) if "launch" in r]
+
+
+# ------------------------------------------------------------------------------------------------ the lock
+LOCK_FILE = ".launch.lock"
+LOCK_WAIT_ENV = "NANOTRON_RECOVER_LOCK_WAIT_S"
+LAUNCH_TOKEN_ENV = "NANOTRON_RECOVER_LAUNCH_TOKEN"  # one per launch: the temporary names its writers use
+
+
+class RunFolderBusy(RuntimeError):
+    """Another launch holds the run folder."""
+
+
+def hold_run_folder(run_dir: Path, wait_s: float | None = None) -> int:
+    """Take the run folder's lock for this launch (an exclusive ``flock``; the kernel drops it when every holder
+    of the descriptor is gone, a SIGKILLed launcher included). The descriptor is passed on to ``mpirun``, so the
+    lock lasts as long as the job. Waits up to ``wait_s`` (default ``$NANOTRON_RECOVER_LOCK_WAIT_S`` or 30 s) for
+    a launch that is ending; -> the descriptor. :class:`RunFolderBusy` names the holder."""
+    import fcntl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    wait = float(os.environ.get(LOCK_WAIT_ENV, "30")) if wait_s is None else wait_s
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RunFolderBusy(f"{run_dir} is in use by another launch ({holder}); two launches must never "
+                                    "write one run folder: wait for it to end, or end it") from None
+            time.sleep(0.5)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"launcher pid {os.getpid()} on {os.uname().nodename} since {time.ctime()}\n".encode(), 0)
+    return fd
 
 
 # ------------------------------------------------------------------------------------------------ faults

@@ -145,8 +145,9 @@ class DataParallelStrategy(ABC):
         (which checkpoint is intact) is taken from the same findings everywhere."""
         return [obj]
 
-    def startup_complete(self) -> None:
-        """Called by every rank once it is ready to train (model built, checkpoint loaded)."""
+    def startup_complete(self, fault_point: Callable[[], None] = lambda: None) -> None:
+        """Called by every rank once it is ready to train (model built, checkpoint loaded); ``fault_point`` fires
+        the ``startup:agreed`` fault right after the ranks agreed that start-up is complete."""
 
     def progress(self, step: int, phase: str) -> None:
         """The main thread reached ``phase`` of ``step`` (for hang detection)."""

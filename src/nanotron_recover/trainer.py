@@ -242,7 +242,8 @@ class RecoverTrainer:
         self.step = self._resume()
         first_step = self.step + 1
         self.injector.maybe_fail(0, "startup:checkpoint_load")
-        self.dp.startup_complete()  # every rank ready: from here on a fault is recovered, not a restart
+        # every rank ready: from here on a fault is recovered, not a restart
+        self.dp.startup_complete(fault_point=lambda: self.injector.maybe_fail(0, "startup:agreed"))
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
         saved = None
@@ -268,19 +269,18 @@ class RecoverTrainer:
 
     def _resume(self) -> int:
         """The step to continue after (0: from scratch). The newest intact checkpoint is chosen on every rank alike
-        (damaged ones are reported and set aside); the newest committed step held in node-local snapshots wins when
-        it is newer (auto-resume only: an explicit ``resume_checkpoint_path`` is loaded as asked). A checkpoint
-        that existed with none intact and no snapshot to take over ends the job for a person."""
+        (damaged ones are reported and set aside); the newest committed step held in this run's node-local
+        snapshots wins when it is newer. A checkpoint that existed with none intact and no snapshot to take over
+        ends the job for a person."""
         choice = self.checkpoints.choose(self.dp)
         if self.dp.startup_share()[0] == 0:
             settle_root(self.checkpoints.root, choice, say=lambda line: print(f"[nanotron-recover] {line}", flush=True))
         if choice.damaged and self.metrics.enabled:
             self.metrics.log_event({"event": "checkpoint_damaged", "problems": choice.damaged,
                                     "resumed_from": str(choice.path) if choice.path else None})
-        if self.checkpoints.resume_path is None:
-            local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step)
-            if local is not None:
-                return local
+        local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step)  # this run's own, if any
+        if local is not None:
+            return local
         if choice.path is None:
             if choice.damaged:
                 raise NeedsPerson("damaged checkpoint", f"no intact checkpoint to fall back to: {choice.damaged[0]}",

@@ -42,6 +42,7 @@ def outcome(run_dir: Path, rc: int) -> str:
     ("before_mpi_init", "kill"),   # the others wait inside MPI_Init: only the watchdogs end them
     ("after_mpi_init", "kill"),    # noticed over ULFM while the worlds are built
     ("checkpoint_load", "stop"),   # frozen after the model build: its own watchdog ends it
+    ("agreed", "kill"),            # after the start-up agreement, before the hang monitor's collective start
 ])
 def test_a_startup_fault_ends_the_job_with_the_restart_outcome(at, signal, tiny_config, tmp_path):
     inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": at, "signal": signal}]

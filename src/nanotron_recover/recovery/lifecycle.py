@@ -41,17 +41,20 @@ class ProcessLifecycle:
     on_started: Callable[[], None]  # called once every rank is ready to train (disarms the start-up watchdog)
     run_dir: Path | None  # where hang events are appended (set by the entry point)
 
-    def startup_complete(self) -> None:
+    def startup_complete(self, fault_point: Callable[[], None] = lambda: None) -> None:
         """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with
-        the restart outcome); then the start-up watchdog is disarmed and the hang monitor takes over."""
+        the restart outcome); then the start-up watchdog is disarmed and the hang monitor takes over. A death
+        between the agreement and the monitor's start (a collective) ends the job with the restart outcome too:
+        nothing was trained yet, and no monitor would watch the repair (before: an abort, exit 1)."""
         try:
             self.ft.complete_startup()
+            fault_point()  # startup:agreed
+            self.on_started()
+            if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)
+                self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang,
+                                           end_job=self._end_job_from_monitor)
         except FailureDetected as e:
             self._on_startup_failure(frozenset(), detail=str(e))
-            return
-        self.on_started()
-        if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)
-            self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang, end_job=self._end_job_from_monitor)
 
     def startup_share(self) -> tuple[int, int]:
         live = list(self.ft.live_ranks)

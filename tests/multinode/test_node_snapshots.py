@@ -80,3 +80,19 @@ def test_a_lost_node_costs_one_step_not_a_checkpoint_interval(tiny_config, tmp_p
     print(f"\nnode 3 lost after step {last} (disk checkpoint at {disk}): resumed from the local snapshot of step "
           f"{step}, {max(0, last - step)} logged step(s) recomputed (a relaunch from disk: {last - disk}); "
           f"training again {again:.1f} s after the loss; max |dloss| vs failure-free {diff:.1e}")
+
+
+def test_a_replica_lost_on_a_node_of_its_own_leaves_no_snapshot_there(tiny_config, tmp_path, monkeypatch):
+    """2 fake nodes x 2 slots, a replica (PP2) per node; one rank of replica 1 is killed: its mate is evicted and
+    leaves, and no rank of node 2 reaches the end of the run, which deletes the snapshots of the finishing ranks'
+    nodes only. The leaving mate deletes its replica's files on its node (before: they stayed after the run)."""
+    shm = tmp_path / "shm"
+    config = tiny_config(dp=2, pp=2, accumulation=2, steps=8, layers=2, checkpoint_interval=8,
+                         fault_tolerance={"enabled": True, "local_snapshot_dir": str(shm), "local_snapshot_interval": 1,
+                                          "inject": [{"step": 4, "replica": 1, "rank": 0, "phase": "backward"}]})
+    for key, value in write_bed(tmp_path / "bed", [2, 2]).items():
+        monkeypatch.setenv(key, value)
+    result = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert [s["step"] for s in result.steps] == list(range(1, 9)) and result.steps[-1]["live_replicas"] == 1
+    assert "evicted" in result.output, result.output[-3000:]
+    assert [p for p in shm.rglob("*") if p.is_file()] == []

@@ -112,6 +112,17 @@ class ProcessLifecycle:
         """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
         print(f"[nanotron-recover] replica {self.replica} rank {self.local_rank}: {reason}; exiting 0", flush=True)
         self.on_exit(0, f"evicted by watcher: {reason}")
+        self.drop_snapshots()
+
+    def drop_snapshots(self) -> None:
+        """Leaving while the others train on: this replica's node-local snapshot files on this node go (a finished
+        run's are deleted by ``finish``; a node whose ranks all left kept them for ever)."""
+        snapshots = getattr(self, "snapshots", None)
+        if snapshots is not None:
+            try:
+                snapshots.drop_replica()
+            except OSError as e:  # best effort: leaving must not fail on it
+                print(f"[nanotron-recover] rank {self.ft.rank}: snapshot files not deleted: {e}", flush=True)
 
     def shutdown(self, code: int = 0) -> None:
         """End this rank; within ``finalize_timeout_s`` even if its MPI daemon is frozen or gone."""
@@ -169,6 +180,7 @@ def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", run
 
 def _leave_evicted(dp: ProcessLifecycle, e: ReplicaEvicted, after: str = "") -> tuple[int, str]:
     print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
+    dp.drop_snapshots()
     return EXIT_DONE, f"evicted{after}: {e}"
 
 
@@ -179,6 +191,7 @@ def _leave_as_straggler(dp: Any, e: StragglerEvicted) -> tuple[int, str]:
     and the next logging rank replays them into wandb."""
     print(f"[nanotron-recover] rank {dp.ft.rank}: {e}", flush=True)
     dp.ft.leave()
+    dp.drop_snapshots()
     return EXIT_DONE, f"evicted: {e}"
 
 
@@ -253,6 +266,7 @@ def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
         print(f"[nanotron-recover] rank {dp.ft.rank}: {reason}; raised at:\n"
               + "".join(traceback.format_tb(error.__traceback__)[-4:]), flush=True)
         dp.ft.leave()
+        dp.drop_snapshots()
         return EXIT_DONE, reason
     traceback.print_exc()
     sys.stderr.flush()

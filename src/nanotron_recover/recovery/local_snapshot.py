@@ -811,6 +811,17 @@ class LocalSnapshots:
         if self._writer is not None:
             self._writer.close()
 
+    def drop_replica(self) -> None:
+        """This rank leaves while the others train on (its replica broke, or was evicted): the files of its replica
+        on this node go, its own and its dead mates' (no one else would delete them: a node whose ranks all left
+        kept them after the run). Every live replica holds every coordinate, so no state is lost. The node folder
+        stays: another replica of this node may be about to write its first file into it."""
+        self.finish()
+        if self.folder is None or not self._store_ok:
+            return
+        for path in self.folder.glob(f"r{self.replica}-c*"):
+            path.unlink(missing_ok=True)
+
     def remove(self) -> None:
         """The run finished: delete this node's snapshots of it."""
         self.finish()

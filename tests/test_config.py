@@ -271,3 +271,16 @@ def test_invalid_rebalancing_names_the_key(ft, key):
     with pytest.raises(ConfigError) as err:
         config_from_dict(with_ft(**ft))
     assert key in str(err.value)
+
+
+def test_a_relaunch_on_fewer_replicas_drops_the_full_size_replica_weights():
+    """``--replicas R`` (a relaunch on the nodes left) with ``replica_weights`` for the full-size job: the weights
+    go (quotas follow measured speeds) instead of the relaunch being refused as bad input, never requeued."""
+    from nanotron_recover.overrides import apply_replicas
+
+    raw = copy.deepcopy(stock_dict())
+    raw["parallelism"]["dp"] = 4
+    raw["fault_tolerance"] = {"enabled": True, "replica_weights": [1.0, 1.0, 0.5, 1.0]}
+    config = config_from_dict(raw)
+    apply_replicas(config, 2)
+    assert config.parallelism.dp == 2 and config.fault_tolerance.replica_weights is None

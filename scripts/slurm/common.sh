@@ -55,7 +55,8 @@ recover_mpirun_cmd() {
         # cannot be launched by srun; under Slurm mpirun starts its daemons inside the allocation itself)
         MPI_CMD+=(--with-ft ulfm
                   --prtemca errmgr_detector_heartbeat_period 1 --prtemca errmgr_detector_heartbeat_timeout 3
-                  --mca coll ^han,cuda)  # ULFM-safe collectives (ompi #11794, #13915)
+                  --mca coll ^han,cuda  # ULFM-safe collectives (ompi #11794, #13915)
+                  --mca coll_ftagree_agreement 1)  # the fault-tolerant agreement (ERA), as the launcher pins it
     fi
     if (( RECOVER_WORLD_SIZE > slots )); then
         recover_log "warning: $RECOVER_WORLD_SIZE ranks on $slots Slurm task slots: oversubscribing" \

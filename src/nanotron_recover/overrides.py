@@ -50,6 +50,13 @@ def apply_replicas(config: "RecoverConfig", replicas: int) -> None:
     if replicas < 1 or m % replicas:
         raise ConfigError(f"--replicas {replicas}: the global batch of M = {m} microbatches "
                           f"(dp x batch_accumulation_per_replica) must be divisible by it")
+    ft = config.fault_tolerance
+    if ft is not None and ft.replica_weights is not None and len(ft.replica_weights) != replicas + ft.spare_replicas:
+        # the weights name the replicas of the full-size job: a relaunch on fewer must not be refused as bad input
+        # (it would never be requeued); the planner measures the speeds instead
+        print(f"[nanotron-recover] --replicas {replicas}: fault_tolerance.replica_weights (one per replica of the "
+              "full-size job) not used: quotas follow the measured speeds", file=sys.stderr, flush=True)
+        ft.replica_weights = None
     config.parallelism.dp = replicas
     config.tokens.batch_accumulation_per_replica = m // replicas
     if config.fault_tolerance is not None and config.fault_tolerance.min_replicas > replicas:

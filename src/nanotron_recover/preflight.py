@@ -92,7 +92,7 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return
     from nanotron_recover.memory import snapshot_bytes_per_rank
-    from nanotron_recover.recovery.local_snapshot import snapshot_folder
+    from nanotron_recover.recovery.local_snapshot import reserved_bytes, snapshot_folder
     from nanotron_recover.run_folder import run_id
 
     folder = Path(ft.local_snapshot_dir)
@@ -107,9 +107,10 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours and ours.is_dir() else 0
     free = shutil.disk_usage(existing).free + reusable
     # at most 3 files a rank: two complete snapshots, and the next one being written (an old one goes only after
-    # the new one is complete)
+    # the new one is complete); never all of the folder's space (Open MPI and NCCL shared memory live there too)
     need = 3 * ranks_per_node * snapshot_bytes_per_rank(config)
-    limit = free / 2 if ft.local_snapshot_max_gb is None else min(free, ft.local_snapshot_max_gb * 2**30)
+    usable = free - reserved_bytes(existing)
+    limit = free / 2 if ft.local_snapshot_max_gb is None else min(usable, ft.local_snapshot_max_gb * 2**30)
     if need > limit:
         raise ConfigError(
             f"fault_tolerance.local_snapshot_*: three snapshots for each of {ranks_per_node} rank(s) per node need "

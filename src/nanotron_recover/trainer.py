@@ -280,6 +280,10 @@ class RecoverTrainer:
                                     "resumed_from": str(choice.path) if choice.path else None})
         local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step)  # this run's own, if any
         if local is not None:
+            if choice.step is not None and self.metrics.enabled:  # an operator who rolled latest.txt back is told
+                print(f"[nanotron-recover] the node-local snapshot of step {local} is newer than the checkpoint of "
+                      f"step {choice.step} ({choice.path}): resuming from the snapshot. To resume from an older "
+                      "state, relaunch with local_snapshot_interval: 0 (or delete this run's snapshots)", flush=True)
             return local
         if choice.path is None:
             if choice.damaged:

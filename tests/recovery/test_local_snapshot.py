@@ -294,6 +294,30 @@ def test_a_snapshot_budget_too_small_is_refused_before_launch(tmp_path):
     check_local_snapshot_budget(config_from_dict(raw), ranks_per_node=2, run_dir=tmp_path / "run")
 
 
+def test_the_snapshot_budget_never_takes_the_whole_folder(tmp_path):
+    """``/dev/shm`` holds Open MPI's and NCCL's shared memory too: a budget as large as the free space is refused
+    (a tenth of the file system, at least 256 MiB, stays free)."""
+    import shutil
+
+    from nanotron_recover.recovery.local_snapshot import MIN_RESERVE_BYTES, reserved_bytes
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    usage = shutil.disk_usage(shm)
+    assert reserved_bytes(shm) == max(usage.total // 10, MIN_RESERVE_BYTES)
+    raw = make_tiny_config(dp=2, fault_tolerance={"enabled": True, "local_snapshot_dir": str(shm),
+                                                  "local_snapshot_max_gb": usage.total / 2**30})
+    config = config_from_dict(raw)
+    from nanotron_recover.memory import snapshot_bytes_per_rank
+
+    per_rank = snapshot_bytes_per_rank(config)
+    ranks = int((usage.free - reserved_bytes(shm) // 2) // (3 * per_rank)) + 1  # fits the free space, not the rest
+    if 3 * ranks * per_rank > usage.free:
+        pytest.skip("the free space moved while the test ran")
+    with pytest.raises(ConfigError, match="local_snapshot_max_gb"):
+        check_local_snapshot_budget(config, ranks_per_node=ranks, run_dir=tmp_path / "run")
+
+
 def test_a_writes_cost_is_known_once_it_was_waited_for_and_counts_its_threads_cpu_time(tmp_path):
     """The snapshot schedule's input: the write's CPU seconds on its thread plus the caller's wait."""
     writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)

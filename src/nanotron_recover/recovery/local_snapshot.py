@@ -72,6 +72,7 @@ KEEP = 2  # complete snapshots each rank keeps of its own history (the newest an
 CHUNK_BYTES = 16 * 2**20  # a relaunch's transfer and reads go in pieces of this size: bounded memory
 MAX_HEADER_BYTES = 64 * 2**20
 SUFFIX = ".snap"
+MIN_RESERVE_BYTES = 256 * 2**20
 _U32 = struct.Struct("<I")
 _ID = re.compile(r"[0-9a-f]{8,64}")  # run ids and history ids: they become path components
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -679,6 +680,12 @@ def _group_settings(optimizer: Any) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in torch_optimizer(optimizer).param_groups]
 
 
+def reserved_bytes(folder: Path) -> int:
+    """Space the snapshots leave free in their file system (``/dev/shm`` is also where Open MPI and NCCL put their
+    shared memory): a tenth of it, at least :data:`MIN_RESERVE_BYTES`."""
+    return max(shutil.disk_usage(folder).total // 10, MIN_RESERVE_BYTES)
+
+
 def remove_folder(folder: Path) -> None:
     """Delete this node's snapshots of the run (best effort: another rank of the node may be doing the same)."""
     shutil.rmtree(folder, ignore_errors=True)
@@ -888,6 +895,7 @@ class LocalSnapshots:
         mates = [hello for hello in hellos if hello.node == self._node]
         need = (KEEP + 1) * sum(hello.payload_bytes for hello in mates)
         free = shutil.disk_usage(self.folder).free + sum(p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}"))
+        free -= reserved_bytes(self.folder)  # never all of it: Open MPI and NCCL need shared memory too
         if need > free:
             self._turn_off(f"node {self._node} has {free / 2**20:.1f} MiB for snapshots in {self.folder}, its "
                            f"{len(mates)} rank(s) need {need / 2**20:.1f} MiB ({KEEP} snapshots and one being "

@@ -28,6 +28,7 @@ false_kills=K seed=S``. Minimal: ``python benchmarks/fault_campaign.py --trials 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -50,6 +51,7 @@ from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, Extern
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
 from nanotron_recover.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART  # noqa: E402
+from nanotron_recover.procfs import proc_stat  # noqa: E402
 from nanotron_recover.run_folder import (  # noqa: E402
     latest_checkpoint_step,
     read_metrics_jsonl,
@@ -169,17 +171,31 @@ class Reference:
     tol: float
 
 
+def code_hash() -> str:
+    """A hash of the package's code: a cached reference counts only for the code that made it."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1] / "src" / "nanotron_recover"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cached(marker: Path) -> bool:
+    """Whether ``marker`` (a reference's ``done`` file) was written by this code."""
+    return marker.is_file() and marker.read_text().strip() == code_hash()
+
+
 def reference_of(shape: Shape, out: Path, bound_s: float) -> Reference:
-    """The failure-free run of ``shape`` (cached under ``out``); bf16 also measures its floor."""
+    """The failure-free run of ``shape`` (cached under ``out`` for the same code); bf16 also measures its floor."""
     run_dir = out / "references" / shape.name
-    if not (run_dir / "done").exists():
+    if not _cached(run_dir / "done"):
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         path = write_config(shape.config([], str(out / "shm" / f"ref-{shape.name}")), run_dir / "config.yaml")
         launch = run_launch(path, run_dir, [], bound_s)
         if launch.rc != EXIT_DONE:
             raise RuntimeError(f"the failure-free {shape.name} run failed (exit {launch.rc}): {run_dir}")
-        (run_dir / "done").write_text("")
+        (run_dir / "done").write_text(code_hash() + "\n")
     losses = {int(r["step"]): float(r["loss"]) for r in read_metrics_jsonl(run_dir) if "event" not in r}
     tol = FP32_TOL
     if shape.dtype != "float32":
@@ -190,7 +206,7 @@ def reference_of(shape: Shape, out: Path, bound_s: float) -> Reference:
 def _bf16_floor(shape: Shape, out: Path, losses: dict[int, float], bound_s: float) -> float:
     """Failure-free, the same M on half the replicas (twice the accumulation): the summation-order floor."""
     run_dir = out / "references" / f"{shape.name}-floor"
-    if not (run_dir / "floor.json").exists():
+    if not (run_dir / "floor.json").exists() or not _cached(run_dir / "done"):
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         config = shape.config([], str(out / "shm" / f"floor-{shape.name}"))
@@ -201,6 +217,7 @@ def _bf16_floor(shape: Shape, out: Path, losses: dict[int, float], bound_s: floa
             raise RuntimeError(f"the {shape.name} floor run failed (exit {launch.rc}): {run_dir}")
         other = {int(r["step"]): float(r["loss"]) for r in read_metrics_jsonl(run_dir) if "event" not in r}
         (run_dir / "floor.json").write_text(json.dumps(max(abs(other[s] - losses[s]) for s in losses)))
+        (run_dir / "done").write_text(code_hash() + "\n")
     return float(json.loads((run_dir / "floor.json").read_text()))
 
 
@@ -341,13 +358,34 @@ def _check_records(run_dir: Path, shape: Shape, reference: Reference, problems: 
     return worst
 
 
+def job_processes(run_dir: Path) -> dict[int, str]:
+    """``{pid: name}`` of every live process of the run: the launcher, ``mpirun``, the ranks and their watchdogs
+    (their command lines name the run folder), and any orphaned MPI daemon (``prted`` whose parent is gone)."""
+    needle = str(run_dir).encode()
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        stat = proc_stat(int(entry))
+        if stat is None or stat[2] == "Z":
+            continue
+        try:
+            named = needle in Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if named or (stat[1] == "prted" and stat[0] == 1):
+            found[int(entry)] = stat[1]
+    return found
+
+
 def _check_left_behind(run_dir: Path, shm: Path, problems: list[str]) -> None:
+    """Nothing of the run is left: no process of any kind, no snapshot file on any node."""
     deadline = time.monotonic() + 30
-    while rank_processes(run_dir) and time.monotonic() < deadline:
+    while job_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = rank_processes(run_dir)
+    left = job_processes(run_dir)
     if left:
-        problems.append(f"rank processes left 30 s after the end: ranks {sorted(set(left.values()))}")
+        problems.append(f"processes left 30 s after the end: {sorted(set(left.values()))} ({len(left)})")
         for pid in left:
             _signal(pid, "kill")
     files = [p for p in shm.rglob("*") if p.is_file()] if shm.exists() else []

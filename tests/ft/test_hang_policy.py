@@ -71,6 +71,27 @@ def test_a_snapshot_and_a_recycled_replica_build_get_the_io_allowance() -> None:
     assert policy.busy_limit_s("replica-formation") == 10  # the formation's cheap bookkeeping is not I/O
 
 
+def test_every_bound_stays_under_the_replicas_own_torch_timeout() -> None:
+    """A frozen rank must be ended before its replica-mates' gloo collectives time out (they would end with an
+    error, not a repair): the derived timeout, a fixed one and a silent peer's limit stay under the ceiling; only
+    a peer silent inside a checkpoint save keeps the I/O allowance (serialisation may hold its interpreter)."""
+    from types import SimpleNamespace
+
+    from nanotron_recover.ft.hang_policy import CEILING_MARGIN_S
+
+    ft = SimpleNamespace(hang_timeout_s=None, startup_timeout_s=600.0, collective_timeout_s=60.0)
+    policy = HangPolicy.of(ft)
+    ceiling = 60.0 - CEILING_MARGIN_S
+    assert policy.ceiling_s == ceiling
+    policy.record_step(20.0)  # 5 x 20 s would be 100 s
+    assert policy.timeout_s == ceiling
+    assert HangPolicy.of(SimpleNamespace(**{**vars(ft), "hang_timeout_s": 300.0})).timeout_s == ceiling
+    for where in ("snapshot", Phase.METRICS_IO, Phase.REPLICA_BUILD, "forward"):
+        assert policy.silence_limit_s(where) <= ceiling, where
+    assert policy.busy_limit_s("snapshot") == 600.0  # busy (its heartbeats still come): the allowance stays
+    assert policy.silence_limit_s("checkpoint") == 600.0
+
+
 def test_members_of_a_recycled_replica_are_peers_on_the_current_assignment() -> None:
     """3 replicas x 2: replicas 1 and 2 broke; ranks 4 and 3 form replica 3. On the grid they were never peers;
     on the assignment they are mates, and each is a coordinate peer of replica 0's rank of its coordinate."""

@@ -143,3 +143,48 @@ def test_a_torch_timeout_before_the_hang_timeout_waits_for_the_kill(tiny_config,
     exits = read_exits(tmp_path)
     assert all(exits[r]["code"] == 0 for r in (0, 1, 2, 3)), exits  # the healthy replica finished
     assert "aborted" not in result.output, result.output[-4000:]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 120)
+def test_a_rank_frozen_right_after_a_step_at_the_default_settings_is_survived_in_step(tiny_config, reference,
+                                                                                       tmp_path):
+    """The default timeouts (hang timeout derived from the steps, ``collective_timeout_s`` 60 s): the logging rank
+    SIGSTOPped from outside as soon as step 2 is logged (its last word is then "snapshot", which once gave a silent
+    rank the 600-s I/O allowance: its mates' gloo timeout ended the job with exit 1). Every hang bound stays under
+    the collective timeout now: the monitor kills it and the step is recovered in-step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nanotron_recover.ft.hang_policy import CEILING_MARGIN_S
+    from nanotron_recover.run_folder import last_logged_step, record_external_fault
+    from nanotron_recover.runs import rank_pids, read_metrics, write_config
+
+    config = tiny_config(dp=2, tp=2, pp=2, accumulation=2, steps=STEPS,
+                         fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01})  # default timeouts
+    path = write_config(config, tmp_path / "config.yaml")
+    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(path), "--run-dir",
+           str(tmp_path), "--synthetic-data"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while last_logged_step(tmp_path) < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        record_external_fault(tmp_path, "stop-0")
+        frozen_at = time.time()
+        os.kill(rank_pids(tmp_path)[0], signal.SIGSTOP)
+        output, _ = launcher.communicate(timeout=TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    steps, events = read_metrics(tmp_path)
+    assert launcher.returncode == 0 and "aborted" not in output, output[-5000:]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)) and all(s["microbatches"] == 4 for s in steps)
+    assert float(np.abs(np.array([s["loss"] for s in steps]) - reference).max()) <= TOL
+    silent = [e for e in events if e.get("event") == "hang_detected" and e.get("rank") == 0]
+    assert silent and silent[0]["wall_time"] - frozen_at <= 60 - CEILING_MARGIN_S + 2 * HEARTBEAT_PERIOD_S, silent
+    print(f"\nlogging rank frozen after step 2 at the defaults: killed {silent[0]['wall_time'] - frozen_at:.1f} s "
+          f"later (last heard at step {silent[0]['last_step']} {silent[0]['last_where']}), survived in-step")

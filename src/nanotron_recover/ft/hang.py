@@ -288,8 +288,9 @@ class HangMonitor:
             if peer.bye or peer.reported or rank not in live:
                 continue
             silence = now - peer.last_heard
-            # a peer that said it is saving a checkpoint gets the io allowance (serialisation may hold its interpreter)
-            limit = self.policy.busy_limit_s(peer.last_where)
+            # under the ceiling, except for a peer that said it is saving a checkpoint (serialisation may hold its
+            # interpreter): the io allowance
+            limit = self.policy.silence_limit_s(peer.last_where)
             if silence > self.margin.max_silence_s:
                 self.margin.max_silence_s = silence
                 self.margin.max_silence_of = (f"rank {rank} (last heard at step {peer.last_step} {peer.last_where}), "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..phases import SLOW_IO_PHASES, Phase
 from .layout import ReplicaAssignment, ReplicaLayout
@@ -22,6 +22,8 @@ KILL_CONFIRM_S = 10.0
 HANG_FLOOR_S = 30.0
 HANG_STEP_FACTOR = 5.0
 FIRST_STEP_TIMEOUT_S = 60.0
+# the hang bounds stay this far under collective_timeout_s: the kill, its confirmation and the mates' failure notice
+CEILING_MARGIN_S = KILL_CONFIRM_S + 5.0
 # the monitor's own loop running this late means its process (or its whole node) was paused: what it did not hear
 # meanwhile says nothing about its peers (they may have been paused with it, or their beats are still in transit)
 OWN_PAUSE_S = 2 * HEARTBEAT_PERIOD_S
@@ -71,11 +73,25 @@ class MainThreadProgress:
 
 @dataclass
 class HangPolicy:
-    """How long is too long (seconds)."""
+    """How long is too long (seconds).
+
+    ``ceiling_s``: what every bound stays under, so that the monitor ends a frozen rank before its replica-mates'
+    own torch collectives time out (``collective_timeout_s``, which would end them with an error instead of a
+    repair): ``collective_timeout_s - CEILING_MARGIN_S``. The timeout derived from the step times, a fixed
+    ``hang_timeout_s`` and a silent peer's limit all stay under it. Only a peer silent inside a checkpoint save
+    keeps the I/O allowance: serialising a large shard can hold its interpreter (no heartbeats) for longer, and its
+    mates are its fellow writers."""
 
     fixed_timeout_s: float | None = None
     io_allowance_s: float = 600.0
     longest_step_s: float = 0.0
+    ceiling_s: float | None = None
+
+    @classmethod
+    def of(cls, ft: Any) -> "HangPolicy":
+        """From the ``fault_tolerance`` section."""
+        return cls(fixed_timeout_s=ft.hang_timeout_s, io_allowance_s=ft.startup_timeout_s,
+                   ceiling_s=max(HEARTBEAT_PERIOD_S * 3, ft.collective_timeout_s - CEILING_MARGIN_S))
 
     def record_step(self, seconds: float) -> None:
         self.longest_step_s = max(self.longest_step_s, seconds)
@@ -83,14 +99,26 @@ class HangPolicy:
     @property
     def timeout_s(self) -> float:
         if self.fixed_timeout_s is not None:
-            return self.fixed_timeout_s
-        if self.longest_step_s <= 0:
-            return FIRST_STEP_TIMEOUT_S
-        return max(HANG_FLOOR_S, HANG_STEP_FACTOR * self.longest_step_s)
+            timeout = self.fixed_timeout_s
+        elif self.longest_step_s <= 0:
+            timeout = FIRST_STEP_TIMEOUT_S
+        else:
+            timeout = max(HANG_FLOOR_S, HANG_STEP_FACTOR * self.longest_step_s)
+        return timeout if self.ceiling_s is None else min(timeout, self.ceiling_s)
 
     def busy_limit_s(self, where: str) -> float:
         timeout = self.timeout_s
         return max(timeout, self.io_allowance_s) if self.is_slow_io(where) else timeout
+
+    def silence_limit_s(self, where: str) -> float:
+        """How long a peer that last said it was at ``where`` may send nothing at all. A rank doing slow I/O (a
+        snapshot, starting wandb) still sends heartbeats from its monitor thread: its silence means it is frozen,
+        and it is ended under the ceiling (seen: a rank frozen right after a step, its last word "snapshot", got
+        the 600-s allowance, and its mates' torch timeout ended the job first)."""
+        limit = self.busy_limit_s(where)
+        if self.ceiling_s is None or where.startswith(Phase.CHECKPOINT.value):
+            return limit
+        return min(limit, self.ceiling_s)
 
     @staticmethod
     def is_slow_io(where: str) -> bool:

@@ -93,7 +93,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         # The FT world first: from here on a death anywhere is noticed (and, during start-up, ends the job).
         active = list(range(par.dp))
         self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
-        self.hang_policy = HangPolicy(fixed_timeout_s=ft_args.hang_timeout_s, io_allowance_s=ft_args.startup_timeout_s)
+        self.hang_policy = HangPolicy.of(ft_args)  # every bound under collective_timeout_s
         if ft is None:
             ft, parallel_context = self._start_worlds(world, active, timeout_s)
         self.ft, self.parallel_context = ft, parallel_context

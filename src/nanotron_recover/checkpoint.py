@@ -161,8 +161,11 @@ class CheckpointManager:
         barrier: Callable[[], None],
         publisher: bool,
         extra_state: dict | None = None,
+        fault_point: Callable[[str], None] = lambda phase: None,
     ) -> None:
-        """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place."""
+        """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place.
+        ``fault_point(phase)``: progress and the fault schedule inside the save (``checkpoint-write`` once this
+        rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``)."""
         if not writer:
             return
         # a name of this launch and world epoch alone: a writer of another launch (a frozen node that thaws) or of
@@ -176,7 +179,7 @@ class CheckpointManager:
                 write_atomically(self.root / LATEST, f"{step}\n", durable=True)
             return
         try:
-            self._write_and_publish(trainer, step, tmp, barrier, publisher, extra_state)
+            self._write_and_publish(trainer, step, tmp, barrier, publisher, extra_state, fault_point)
         except Exception as e:
             if not is_disk_full(e, self.root):
                 raise
@@ -184,7 +187,7 @@ class CheckpointManager:
             raise DiskFull(written_path(e, tmp), e) from e
 
     def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
-                           publisher: bool, extra_state: dict | None) -> None:
+                           publisher: bool, extra_state: dict | None, fault_point: Callable[[str], None]) -> None:
         final = self.root / str(step)
         if publisher:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -193,6 +196,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         barrier()
         self.layout.write(trainer, tmp, step)
+        fault_point("checkpoint-write")
         barrier()  # every part written
         if not publisher:
             return
@@ -210,6 +214,7 @@ class CheckpointManager:
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)
         fsync_dir(self.root)
+        fault_point("checkpoint-publish")
         write_atomically(self.root / LATEST, f"{step}\n", durable=True)
 
     def choose(self, peers: StartupPeers) -> ResumeChoice:

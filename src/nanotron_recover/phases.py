@@ -33,6 +33,8 @@ class Phase(str, Enum):
     METRICS_IO = "metrics-io"  # starting wandb (a new logging rank, mid-run)
     REPLICA_BUILD = "replica-build"  # a recycled replica's torch rendezvous and model build
     STARTUP = "startup"  # the fault schedule's start-up phase (with a point: ``startup:after_mpi_init``)
+    CHECKPOINT_WRITE = "checkpoint-write"  # a writer's part of a save is written, before the writers' barrier
+    CHECKPOINT_PUBLISH = "checkpoint-publish"  # the save's folder renamed into place, before latest.txt
 
     def __str__(self) -> str:
         return self.value
@@ -46,7 +48,8 @@ HEARTBEAT_ORDER: tuple[Phase, ...] = tuple(p for p in Phase if p is not Phase.ST
 # where a scheduled fault may fire
 FAULT_PHASES: tuple[Phase, ...] = (
     Phase.FORWARD, Phase.BACKWARD, Phase.REDUCE, Phase.OPTIMIZER, Phase.CHECKPOINT, Phase.DATALOAD, Phase.REPAIR,
-    Phase.STARTUP, Phase.FORMING, Phase.RENDEZVOUS, Phase.FORMATION, Phase.TRANSFER)
+    Phase.STARTUP, Phase.FORMING, Phase.RENDEZVOUS, Phase.FORMATION, Phase.TRANSFER, Phase.CHECKPOINT_WRITE,
+    Phase.CHECKPOINT_PUBLISH)
 # judged by the I/O allowance besides a checkpoint save: a node-local snapshot (its write waits for the previous
 # background write) takes as long as the store is slow, whatever the step time
 SLOW_IO_PHASES = frozenset({Phase.METRICS_IO, Phase.REPLICA_BUILD, Phase.SNAPSHOT})

@@ -333,7 +333,8 @@ class RecoverTrainer:
         # a save may take up to startup_timeout_s (the hang monitor's allowance)
         self.dp.progress(step, Phase.CHECKPOINT)
         def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
-            self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra)
+            self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra,
+                                  fault_point=lambda phase: self._fault_point(step, phase))
 
         self.dp.save_checkpoint(step, write, self.services, extra_state=extra_state)
 

@@ -426,21 +426,21 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
 
     def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
                         extra_state: dict | None = None) -> None:
-        """The lowest replica holding the committed state writes; all agree it is done. If the writer dies, the
-        next holder saves. A spare that replaced a replica lost in the save is activated at the step's end
-        (:meth:`after_commit` of the next step); until then it computes nothing (:meth:`_plan`)."""
+        """The lowest replica holding the committed state writes; all agree it is done; if the writer dies, the next
+        holder saves. A spare replacing a replica lost in the save is activated at the next step's end."""
         while True:
             if not self.holders:
                 raise BelowMinimumReplicas(0, self.min_replicas, step,
                                            reason=f"no live replica holds the committed state of step {step}")
             epoch = self.ft.epoch  # a repair of the watcher's during the write is the one this save's peers matched
             writer_replica = min(self.holders)
-            write(
-                self.replica == writer_replica,
-                lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
-                self.replica == writer_replica and self.local_rank == 0,
-                {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})},
-            )
+            try:  # a writer's mate dying mid-write is a torch error: recycling pools this rank (it writes no more)
+                write(self.replica == writer_replica, lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
+                      self.replica == writer_replica and self.local_rank == 0,
+                      {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})})
+            except Exception:  # noqa: BLE001 - not pooled (no recycling, or not a fault): re-raised
+                if self._repairs_that_pooled_me(services, step) is None:
+                    raise
             try:
                 self.ft.agree(True, epoch)
                 return

@@ -270,7 +270,7 @@ def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problem
     """Launch, and relaunch as an operator would: after exit 3; after a finished run whose final checkpoint the
     trial then damages; after the non-finite trial's exit 2, with the fault removed. -> (outcome, launches):
     the outcomes in order (``restart->done``, ``done->damaged->done``, ``person->done``), or ``STALL``/``FAIL``."""
-    path = write_config(trial.shape.config(trial.inject, shm), run_dir / "config.yaml")
+    path = write_config(trial.shape.config(trial.inject, shm, trial.settings), run_dir / "config.yaml")
     launches: list[Launch] = []
     said: list[str] = []
     for attempt in range(1 + relaunches + (trial.damage is not None)):
@@ -289,7 +289,7 @@ def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problem
             return "->".join([*said, "done"]), launches
         if launch.rc == EXIT_NEEDS_PERSON and trial.kind == "non-finite" and "person" not in said:
             _check_nothing_committed_at(run_dir, trial.inject[0]["step"], problems)
-            write_config(trial.shape.config([], shm), path)  # the fault removed
+            write_config(trial.shape.config([], shm, trial.settings), path)  # the fault removed
             said.append("person")
             continue
         if launch.rc != EXIT_RESTART:

@@ -40,9 +40,9 @@ class Shape:
     dtype: str = "float32"
     data_plane: str | None = None  # fault_tolerance.data_plane (None: the default, auto)
 
-    def config(self, inject: list[dict], snapshot_dir: str) -> dict:
+    def config(self, inject: list[dict], snapshot_dir: str, settings: dict | None = None) -> dict:
         ft = {**copy.deepcopy(FAULT_TOLERANCE), "spare_replicas": self.spares, "recycle": self.recycle,
-              "inject": inject, "local_snapshot_dir": snapshot_dir}
+              "inject": inject, "local_snapshot_dir": snapshot_dir, **(settings or {})}
         if self.data_plane is not None:
             ft["data_plane"] = self.data_plane
         if self.fsdp is not None:
@@ -104,7 +104,11 @@ SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 # config (``fault_tolerance.inject``), fired by the rank itself at a named phase.
 KINDS = ("ext-kill", "ext-stop", "startup-kill", "startup-stop", "pair-same-replica", "pair-two-replicas",
          "second-in-repair", "phase", "hang", "launcher-kill", "launcher-stop", "node-loss", "checkpoint-damage",
-         "non-finite")
+         "non-finite", "save", "fallback-save", "startup-window")
+# "save": a kill or a freeze inside a save (a writer's part written; or renamed but latest.txt not written), at the
+# mid-run interval save or in the final save. "fallback-save": fewer than min_replicas left (min_replicas = dp),
+# then a death in the holder's fallback save of the last committed step. "startup-window": a death right after the
+# start-up agreement, before the hang monitor's collective start (the job must end with exit 3, then finish).
 # "checkpoint-damage": the finished run's final checkpoint is damaged (one file of a kind, flipped or cut short);
 # the relaunch must fall back to the previous intact checkpoint and train to the same weights.
 # "non-finite": one microbatch of a step is poisoned (signal nan); the job must end for a person (exit 2) with
@@ -140,6 +144,7 @@ class Trial:
     inject: list[dict] = field(default_factory=list)
     external: list[ExternalFault] = field(default_factory=list)
     damage: dict | None = None  # checkpoint-damage: {"file": one of DAMAGED_FILES, "how": "flip" | "truncate"}
+    settings: dict = field(default_factory=dict)  # fault_tolerance settings this trial needs (and why: its kind)
 
     def frozen_ranks(self) -> set[int] | None:
         """World ranks this trial freezes or hangs (a hang kill of any other rank is a false kill); None when one
@@ -171,6 +176,8 @@ def _fits(kind: str, shape: Shape) -> bool:
         return shape.rpr > 1
     if kind == "second-in-repair":
         return shape.replicas > 2
+    if kind == "fallback-save":  # below min_replicas (= dp) with a holder left after the writer's death: no spare
+        return shape.dp > 2 and not shape.spares
     return True
 
 
@@ -219,7 +226,28 @@ def draw_trial(seed: int, shapes: tuple[Shape, ...] = SHAPES, kinds: tuple[str, 
                         "seed": rng.randrange(2**31)}
     elif kind == "non-finite":
         trial.inject.append({"step": step, "replica": replica, "rank": local, "phase": "forward", "signal": "nan"})
+    else:
+        _save_or_startup_fault(rng, trial, kind)
     return trial
+
+
+def _save_or_startup_fault(rng: random.Random, trial: Trial, kind: str) -> None:
+    """The kinds that hit a save or the start-up window (the writer is the lowest replica holding the state: 0)."""
+    shape = trial.shape
+    if kind == "save":
+        trial.inject.append({"step": rng.choice((CHECKPOINT_INTERVAL, STEPS)), "replica": 0,
+                             "rank": rng.randrange(shape.rpr), "signal": rng.choice(("kill", "kill", "stop")),
+                             "phase": rng.choice(("checkpoint-write", "checkpoint-publish"))})
+    elif kind == "fallback-save":  # every replica is needed; one lost at `lost`, the holders save `lost - 1`
+        lost = rng.choice([s for s in range(3, STEPS) if (s - 1) % CHECKPOINT_INTERVAL])  # no interval save there
+        trial.settings["min_replicas"] = shape.dp
+        trial.inject += [{"step": lost, "replica": shape.dp - 1, "rank": rng.randrange(shape.rpr),
+                          "phase": "backward"},
+                         {"step": lost - 1, "replica": 0, "rank": rng.randrange(shape.rpr),
+                          "phase": "checkpoint-write"}]
+    elif kind == "startup-window":
+        trial.inject.append({"step": 0, "replica": rng.randrange(shape.replicas), "rank": rng.randrange(shape.rpr),
+                             "phase": "startup", "at": "agreed"})
 
 
 def _phase_fault(rng: random.Random, shape: Shape, step: int, replica: int, local: int) -> list[dict]:

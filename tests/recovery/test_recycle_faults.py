@@ -152,3 +152,20 @@ def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config
     assert diff <= TOL and rel <= TOL, f"max |dloss| {diff:.2e}, weights {rel:.2e}\n{tail}"
     print(f"\nrecycle, donor lost in the transfer: replica 4 got its state from replica 3 "
           f"({activated['transfer_ms']:.0f} ms); max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_two_replicas_broken_in_one_step_form_a_replica_without_a_false_hang_kill(tiny_config, tmp_path):
+    """3 replicas x TP2, recycling, hang_timeout_s 15: one rank each of replicas 0 and 1 killed in the same step.
+    Their survivors form a new replica at once; each new peer is judged as building its replica until first
+    heard (before: by the 15-s step timeout from the moment it was watched, so a survivor not yet beating to its
+    new mate was killed as "silent" at "step 0 start-up", breaking the replica just formed)."""
+    config = tiny_config(dp=3, tp=2, accumulation=2, steps=8, layers=2, checkpoint_interval=8,
+                         fault_tolerance={"enabled": True, "recycle": True, "hang_timeout_s": 15,
+                                          "local_snapshot_interval": 0,
+                                          "inject": [{"step": 4, "replica": 0, "rank": 0, "phase": "backward"},
+                                                     {"step": 4, "replica": 1, "rank": 1, "phase": "backward"}]})
+    result = run_training(config, tmp_path, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert [s["step"] for s in result.steps] == list(range(1, 9)) and all(s["microbatches"] == 6 for s in result.steps)
+    assert result.steps[-1]["live_replicas"] == 2, result.steps[-1]  # replica 2 and the one formed from the pool
+    assert result.events_of("hang_detected") == [], result.events_of("hang_detected")

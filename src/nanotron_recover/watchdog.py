@@ -115,9 +115,10 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None, rank_pid: int,
            daemon_pid: int) -> int:
-    """The watchdog's life: wait for the disarm byte; otherwise record why the rank ended and, on a timeout, end
-    the job. Every way a rank can end during start-up leaves its record: its own timeout, the job's teardown
-    (SIGTERM, when another rank's watchdog fired first) and the rank's death (end of file before the byte)."""
+    """The watchdog's life: wait for the disarm byte; otherwise record why the rank ended and, on a timeout or the
+    rank's silent death, end the job. Every way a rank can end during start-up leaves its record: its own timeout,
+    the job's teardown (SIGTERM, when another rank's watchdog fired first) and the rank's death (end of file
+    before the byte)."""
     try:
         # Out of the rank's process group: Open MPI's teardown SIGKILLs that group right after the rank exits, which
         # would end the watchdog before it recorded anything (the end of file below still tells it the rank died).
@@ -132,8 +133,13 @@ def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None,
             end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
         else:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # disarmed or the rank is gone: a later teardown is not ours
-            if not os.read(read_fd, 1):
-                _record_unless_written(exit_record, f"{label} ended during start-up, before it was ready to train")
+            if not os.read(read_fd, 1) and not (exit_record is not None and exit_record.exists()):
+                # the rank died during start-up without a word (a rank that ends on purpose writes its record
+                # first): nothing can be recovered yet, and its peers would wait for it (inside MPI_Init) for the
+                # whole startup_timeout_s: end the job now, with the restart outcome
+                reason = f"{label} died during start-up, before it was ready to train"
+                _record_unless_written(exit_record, reason)
+                end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
     except _JobTornDown:
         _record_unless_written(exit_record, f"the job was ended during start-up, before {label} was ready to train")
     except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
@@ -145,8 +151,8 @@ class StartupWatchdog:
     """A forked child that ends the job unless :meth:`disarm` is called within ``timeout_s``.
 
     The child holds only the read end of a pipe: a byte means "start-up complete" (it exits quietly), end of file
-    means the rank is gone (it records that, unless the rank left its own record: the daemon deals with the rest).
-    A SIGTERM (the job torn down because another rank's watchdog fired first) is recorded as well, so every rank of
+    means the rank is gone (it records that and ends the job, unless the rank left its own record: then it ended on
+    purpose). A SIGTERM (the job torn down because another rank's watchdog fired first) is recorded as well, so every rank of
     a job ended during start-up says how it ended. Forking happens before any thread or MPI exists in the rank,
     so it is safe.
     """

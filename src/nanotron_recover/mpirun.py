@@ -86,37 +86,8 @@ def mpirun_command(
     if prefix is not None:
         # the daemons on the other nodes find prted and the libraries of the same prefix
         cmd += ["--prefix", str(prefix)]
-    if ulfm and prefix is not None:
-        # --with-ft ulfm already implies recoverable + notifyerrors (PRRTE master's schizo/ompi); named as well, so
-        # that a lost daemon's processes are reported to the survivors (PMIX_ERR_PROC_TERM_WO_SYNC -> ULFM's
-        # MPI_ERR_PROC_FAILED) instead of ending the job. PRRTE master has no errmgr detector component any more:
-        # a lost node is noticed by its daemon's connections (closed at once, or TCP keepalive below)
-        cmd += ["--with-ft", "ulfm", "--rtos", "recoverable,notifyerrors"]
-        for key, value in RUNTIME_KEEPALIVE.items():
-            cmd += ["--prtemca", key, str(value)]
-        cmd += ["--mca", "coll", "^han,cuda", "--mca", "coll_ftagree_agreement", "1"]
-    elif ulfm:
-        cmd += [
-            "--with-ft",
-            "ulfm",
-            "--prtemca",
-            "errmgr_detector_heartbeat_period",
-            str(DETECTOR_HEARTBEAT_PERIOD_S),
-            "--prtemca",
-            "errmgr_detector_heartbeat_timeout",
-            str(DETECTOR_HEARTBEAT_TIMEOUT_S),
-            # ULFM-safe collectives: han swallows errors and deadlocks after a failure (ompi #11794) and crashed
-            # here across nodes; Agree deadlocks across nodes with han/cuda selected (ompi #13915)
-            "--mca",
-            "coll",
-            "^han,cuda",
-            # the fault-tolerant agreement (ERA); 0 would be a plain Allreduce that never returns after a death.
-            # The wheel's 5.0.11 already defaults to 1 under --with-ft (ompi #13915, fixed by PR #13952, is in
-            # it); pinned so that an inherited OMPI_MCA_coll_ftagree_agreement cannot select 0
-            "--mca",
-            "coll_ftagree_agreement",
-            "1",
-        ]
+    if ulfm:
+        cmd += ulfm_options(prefix)
     if oversubscribe:
         cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -132,6 +103,27 @@ def mpirun_command(
     for key, value in env.items():
         cmd += ["-x", f"{key}={value}"]
     return cmd + list(extra_args) + list(program)
+
+
+def ulfm_options(prefix: Path | None) -> list[str]:
+    """``mpirun`` options of a ULFM job: on the wheel's runtime, or on a node-tolerant ``prefix``."""
+    # ULFM-safe collectives: han swallows errors and deadlocks after a failure (ompi #11794) and crashed here across
+    # nodes; Agree deadlocks across nodes with han/cuda selected (ompi #13915). The fault-tolerant agreement (ERA,
+    # algorithm 1): 0 would be a plain Allreduce that never returns after a death; the wheel's 5.0.11 defaults to 1
+    # under --with-ft (PR #13952 is in it), pinned so that an inherited OMPI_MCA_coll_ftagree_agreement cannot
+    # select 0
+    collectives = ["--mca", "coll", "^han,cuda", "--mca", "coll_ftagree_agreement", "1"]
+    if prefix is None:
+        return ["--with-ft", "ulfm", "--prtemca", "errmgr_detector_heartbeat_period", str(DETECTOR_HEARTBEAT_PERIOD_S),
+                "--prtemca", "errmgr_detector_heartbeat_timeout", str(DETECTOR_HEARTBEAT_TIMEOUT_S), *collectives]
+    # --with-ft ulfm already implies recoverable + notifyerrors (PRRTE master's schizo/ompi); named as well, so that
+    # a lost daemon's processes are reported to the survivors (PMIX_ERR_PROC_TERM_WO_SYNC -> ULFM's
+    # MPI_ERR_PROC_FAILED) instead of ending the job. PRRTE master has no errmgr detector component any more: a lost
+    # node is noticed by its daemon's connections (closed at once, or TCP keepalive)
+    options = ["--with-ft", "ulfm", "--rtos", "recoverable,notifyerrors"]
+    for key, value in RUNTIME_KEEPALIVE.items():
+        options += ["--prtemca", key, str(value)]
+    return options + collectives
 
 
 def python_module_command(module: str, args: Sequence[str]) -> list[str]:

@@ -151,10 +151,10 @@ class StartupWatchdog:
     """A forked child that ends the job unless :meth:`disarm` is called within ``timeout_s``.
 
     The child holds only the read end of a pipe: a byte means "start-up complete" (it exits quietly), end of file
-    means the rank is gone (it records that and ends the job, unless the rank left its own record: then it ended on
-    purpose). A SIGTERM (the job torn down because another rank's watchdog fired first) is recorded as well, so every rank of
-    a job ended during start-up says how it ended. Forking happens before any thread or MPI exists in the rank,
-    so it is safe.
+    means the rank is gone (it records that and ends the job, unless the rank left its own record: then it ended
+    on purpose). A SIGTERM (the job torn down because another rank's watchdog fired first) is recorded as well, so
+    every rank of a job ended during start-up says how it ended. Forking happens before any thread or MPI exists in
+    the rank, so it is safe.
     """
 
     def __init__(self, timeout_s: float, label: str, exit_record: Path | None = None) -> None:

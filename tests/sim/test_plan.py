@@ -15,7 +15,7 @@ def test_plan_prints_every_policy_and_the_recommendations(capsys):
         assert f"| {name} |" in out
     for key in ("spare_replicas:", "min_replicas:", "checkpoint_interval:", "Young/Daly"):
         assert key in out
-    assert "HYPOTHETICAL" in out and "recycling" in out
+    assert "needs the node-tolerant runtime" in out and "NANOTRON_RECOVER_RUNTIME" in out and "recycling" in out
     assert re.search(r"fault_tolerance\.recycle: (true|false) +\(recover_recycle ETTR [0-9.]+ vs [0-9.]+ without", out)
     assert "job_mttf_hours | 7.9 (at 1024 GPUs)" in out  # the 2410.21680 anchor at 1k GPUs
 

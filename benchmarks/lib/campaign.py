@@ -39,10 +39,12 @@ class Shape:
     fsdp: int | None = None  # HSDP: the shard group size
     dtype: str = "float32"
     data_plane: str | None = None  # fault_tolerance.data_plane (None: the default, auto)
+    defaults: bool = False  # the timeouts and snapshot interval a user gets, not the campaign's short ones
 
     def config(self, inject: list[dict], snapshot_dir: str, settings: dict | None = None) -> dict:
-        ft = {**copy.deepcopy(FAULT_TOLERANCE), "spare_replicas": self.spares, "recycle": self.recycle,
-              "inject": inject, "local_snapshot_dir": snapshot_dir, **(settings or {})}
+        base = {"enabled": True} if self.defaults else copy.deepcopy(FAULT_TOLERANCE)
+        ft = {**base, "spare_replicas": self.spares, "recycle": self.recycle, "inject": inject,
+              "local_snapshot_dir": snapshot_dir, **(settings or {})}
         if self.data_plane is not None:
             ft["data_plane"] = self.data_plane
         if self.fsdp is not None:
@@ -79,6 +81,11 @@ class Shape:
         if on == self.recycle:
             return self
         return dataclasses.replace(self, name=f"{self.name}{'+recycle' if on else '-recycle'}", recycle=on)
+
+    def with_defaults(self) -> Shape:
+        """This shape with the settings a user gets (hang timeout derived from the steps, 60-s collectives, 600-s
+        start-up, automatic snapshots); the name says so."""
+        return dataclasses.replace(self, name=f"{self.name}+defaults", defaults=True)
 
     def with_data_plane(self, plane: str) -> Shape:
         """This shape with its gradient bytes on ``plane`` (``mpi`` or ``torch``; the name says which)."""

@@ -69,3 +69,23 @@ def test_a_death_inside_the_save_is_repaired_and_the_save_done_by_the_next_holde
                           extra_args=["--synthetic-data"], check=False)
     assert_finished_like(result, reference(2))
     assert [e for e in result.events_of("repair") if e["step"] == step], result.events
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_a_death_in_the_fallback_save_below_min_replicas_still_ends_bounded(tiny_config, reference, tmp_path):
+    """min_replicas = dp: a replica lost at step 6 stops the job, a holder saves step 5, and its writer dies in that
+    save. The next holder saves it (or, with none, nothing is published); the job ends with exit 3 and exit records,
+    and the relaunch finishes with the failure-free trajectory (before: a second death here escaped the rank's error
+    handling, with no record and an unbounded exit through MPI_Finalize)."""
+    inject = [{"step": 6, "replica": 2, "rank": 0, "phase": "backward"},
+              {"step": 5, "replica": 0, "rank": 1, "phase": "checkpoint-write"}]
+    config = save_config(tiny_config, inject, pp=2)
+    config["fault_tolerance"]["min_replicas"] = 3
+    first = run_training(config, tmp_path, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"], check=False)
+    assert first.returncode == 3, first.output[-5000:]
+    exits = read_exits(tmp_path)
+    survivors = {r: e["code"] for r, e in exits.items() if r not in (1, 4)}
+    assert sorted(survivors) == [0, 2, 3, 5] and set(survivors.values()) <= {0, 3} and 3 in survivors.values(), exits
+    again = run_training(config, tmp_path, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"], check=False)
+    assert again.returncode == 0, again.output[-5000:]
+    assert max_loss_diff(again, reference(2)) <= TOL

@@ -273,9 +273,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         record = {"event": "repair", "step": step, "phase": phase, **event.as_dict(),
                   "activated_spares": [s for change in changes for s in change.activated]}
         if not event.failed_ranks:
-            # Seen (rarely, under load, after failures): the commit Agree came back, uniformly, without the healthy
-            # bit although no rank was repairing. Every rank enters the repair alike, Shrink finds nobody dead, the
-            # step is reduced again from its snapshots (trajectory kept), logged apart from real failures.
+            # Seen (rarely, under load): the commit Agree came back without the healthy bit and nobody repairing. All
+            # repair alike, Shrink finds nobody dead, the step is reduced again from its snapshots (trajectory kept).
             record["event"] = REPAIR_WITHOUT_FAILURE
         metrics.log_event(record)
         if self.recycle and (event.pooled or set(event.failed_ranks) & set(self._pool_before)):
@@ -438,8 +437,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                 write(self.replica == writer_replica, lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
                       self.replica == writer_replica and self.local_rank == 0,
                       {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})})
-            except Exception:  # noqa: BLE001 - not pooled (no recycling, or not a fault): re-raised
+            except Exception:  # noqa: BLE001 - not pooled: join the survivors' repair (evicts this rank), or a bug
                 if self._repairs_that_pooled_me(services, step) is None:
+                    self.join_repair_after_error()
                     raise
             try:
                 self.ft.agree(True, epoch)

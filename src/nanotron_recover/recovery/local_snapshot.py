@@ -72,7 +72,7 @@ KEEP = 2  # complete snapshots each rank keeps of its own history (the newest an
 CHUNK_BYTES = 16 * 2**20  # a relaunch's transfer and reads go in pieces of this size: bounded memory
 MAX_HEADER_BYTES = 64 * 2**20
 SUFFIX = ".snap"
-MIN_RESERVE_BYTES = 256 * 2**20
+RESERVED_FRACTION = 10  # snapshots leave 1/10 of their file system free
 _U32 = struct.Struct("<I")
 _ID = re.compile(r"[0-9a-f]{8,64}")  # run ids and history ids: they become path components
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -682,8 +682,8 @@ def _group_settings(optimizer: Any) -> list[dict]:
 
 def reserved_bytes(folder: Path) -> int:
     """Space the snapshots leave free in their file system (``/dev/shm`` is also where Open MPI and NCCL put their
-    shared memory): a tenth of it, at least :data:`MIN_RESERVE_BYTES`."""
-    return max(shutil.disk_usage(folder).total // 10, MIN_RESERVE_BYTES)
+    shared memory): a tenth of it."""
+    return shutil.disk_usage(folder).total // RESERVED_FRACTION
 
 
 def remove_folder(folder: Path) -> None:

@@ -24,9 +24,9 @@ from nanotron_recover.checkpoint_integrity import (
     read_state,
     verify_share,
 )
-from nanotron_recover.run_folder import write_atomically
+from nanotron_recover.run_folder import LATEST_FILE, latest_step, write_atomically
 
-LATEST = "latest.txt"
+LATEST = LATEST_FILE
 DAMAGED_SUFFIX = ".damaged"
 
 
@@ -61,15 +61,6 @@ def resolve_checkpoint(path: Path) -> Path | None:
             raise FileNotFoundError(f"{path / LATEST} names {named}, which is not a complete checkpoint")
         return named
     return path if (path / STATE_FILE).is_file() else None
-
-
-def latest_step(root: Path) -> int | None:
-    """The step ``root/latest.txt`` names (None: no pointer, or not a number)."""
-    try:
-        text = (Path(root) / LATEST).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def numbered_checkpoints(root: Path) -> list[Path]:

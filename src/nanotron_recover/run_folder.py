@@ -347,19 +347,27 @@ def write_hang_stacks(run_dir: Path, rank: int, step: int, stacks: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
+LATEST_FILE = "latest.txt"  # in the checkpoints folder: the step of the newest published checkpoint
+
+
 def checkpoints_root(run_dir: Path, checkpoints_path: str = "checkpoints") -> Path:
     """Where the checkpoints are: a relative ``checkpoints_path`` lives in the run dir."""
     root = Path(checkpoints_path)
     return root if root.is_absolute() else Path(run_dir) / root
 
 
-def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints") -> int | None:
-    """The step that ``latest.txt`` names, or None."""
-    latest = checkpoints_root(run_dir, checkpoints_path) / "latest.txt"
-    if not latest.is_file():
+def latest_step(root: Path) -> int | None:
+    """The step that ``root/latest.txt`` names (None: no pointer, or not a number)."""
+    try:
+        text = (Path(root) / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
         return None
-    text = latest.read_text(encoding="utf-8").strip()
     return int(text) if text.isdigit() else None
+
+
+def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints") -> int | None:
+    """The step that the run's ``latest.txt`` names, or None."""
+    return latest_step(checkpoints_root(run_dir, checkpoints_path))
 
 
 # ------------------------------------------------------------------------------------------------ outcome

@@ -12,6 +12,7 @@ builder, ``clip_grad_norm``, ``sync_tied_weights_gradients`` and the ``serialize
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
@@ -227,14 +228,15 @@ class RecoverTrainer:
             loss_divisor=loss_divisor,
         )
         loss = summed_loss(outputs)  # each microbatch's loss / loss_divisor, on the last stage only
-        if loss is not None and not torch.isfinite(loss) and self._nonfinite_microbatch is None:
+        loss_sum = float(loss) if loss is not None else 0.0
+        if not math.isfinite(loss_sum) and self._nonfinite_microbatch is None:
             self._nonfinite_microbatch = next(
                 i for i, out in zip(indices, outputs) if isinstance(out["loss"], torch.Tensor)
                 and not torch.isfinite(out["loss"]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the measured time is the kernels', not their launches'
         self.injector.slowdown.end(step, len(indices))
-        return LocalWork(loss_sum=float(loss) if loss is not None else 0.0, microbatches=len(indices),
+        return LocalWork(loss_sum=loss_sum, microbatches=len(indices),
                          compute_s=time.perf_counter() - started)
 
     # ----------------------------------------------------------------------------------------------- the loop

@@ -180,3 +180,23 @@ def test_the_same_startup_failure_stops_requeueing_on_the_third_launch(tmp_path:
     assert launch("start-up failed: another reason") == "restart"
     assert launch("start-up failed: another reason", stepped=True) == "restart"
     assert launch("start-up failed: another reason") == "restart"  # the count began again after the step
+
+
+def _outcome(launch: int, reasons: list[str], verdict: str = "restart", stepped: bool = False) -> dict:
+    return {"launch": launch, "verdict": verdict, "stepped": stepped, "reasons": reasons}
+
+
+def test_a_start_up_failure_counts_as_repeated_when_a_reason_comes_back():
+    from nanotron_recover.run_folder import repeated_startup_failures
+
+    died, secondary = "rank # died during start-up", "start-up failed: MPI_ERR_PROC_FAILED"
+    # which survivor wrote its secondary reason before the job was ended is a race: the cause still repeats
+    assert repeated_startup_failures([_outcome(1, [died, secondary]), _outcome(2, [died]),
+                                      _outcome(3, [died, secondary])]) == 3
+    assert repeated_startup_failures([_outcome(1, ["disk gone"]), _outcome(2, [died])]) == 1
+    assert repeated_startup_failures([_outcome(1, [died]), _outcome(2, [died], stepped=True),
+                                      _outcome(3, [died])]) == 1
+    assert repeated_startup_failures([_outcome(1, [died]), _outcome(2, [died], verdict="done")]) == 0
+    assert repeated_startup_failures([_outcome(1, []), _outcome(2, [])]) == 2  # no exit record at all, twice
+    old = {"launch": 1, "verdict": "restart", "stepped": False, "signature": f"{died}; {secondary}"}
+    assert repeated_startup_failures([old, _outcome(2, [died])]) == 2  # a record from before "reasons" existed

@@ -68,7 +68,7 @@ def main(sizes_mb: list[float], repeats: int, rebuilds: int) -> None:
     say({"what": "rebuild", "plane": "torch", "ranks": n, "median_ms": statistics.median(times) * 1e3,
          "max_ms": max(times) * 1e3, "n": rebuilds})
     torch_plane.close()
-    ft.barrier()
+    ft.shutdown()
 
 
 def kill_inside_a_reduction(victim: int, mb: float) -> None:
@@ -102,7 +102,7 @@ def kill_inside_a_reduction(victim: int, mb: float) -> None:
                       "failed_ranks": event.failed_ranks, "sum_after": float(bucket.t[0]),
                       "survivors": len(ft.live_ranks), "rebuild_ms": plane.last_build["ms"]}), flush=True)
     plane.close()
-    ft.barrier()
+    ft.shutdown()  # after a failure: a barrier, then os._exit (MPI_Finalize can hang, as can joining the reaper)
 
 
 if __name__ == "__main__":

@@ -425,9 +425,10 @@ def judge_launch(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_pa
     started = float(launches[-1]["time"]) if launches else 0.0
     stepped = any(isinstance(r.get("time"), (int, float)) and r["time"] >= started
                   for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r)
-    signature = "; ".join(sorted({re.sub(r"\d+", "#", str(e.get("reason", ""))) for e in read_exits(run_dir).values()}))
+    reasons = sorted({re.sub(r"\d+", "#", str(e.get("reason", ""))) for e in read_exits(run_dir).values()})
+    signature = "; ".join(reasons)
     record = {"launch": len(launches), "verdict": verdict, "stepped": stepped, "signature": signature,
-              "time": time.time()}
+              "reasons": reasons, "time": time.time()}
     append_line(Path(run_dir) / OUTCOMES_FILE, json.dumps(record))
     limit = max_startup_failures if max_startup_failures is not None else max_startup_failures_setting()
     repeated = repeated_startup_failures(read_metrics_jsonl(Path(run_dir) / OUTCOMES_FILE))
@@ -439,17 +440,29 @@ def judge_launch(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_pa
 
 
 def repeated_startup_failures(outcomes: Sequence[dict[str, Any]]) -> int:
-    """How many of the newest launches in a row ended in a restart without committing a step, for the same
-    reasons (0 if the newest did not)."""
+    """How many of the newest launches in a row ended in a restart without committing a step, for a reason the
+    newest launch also gave (0 if the newest did not). A shared reason, not equal sets: which secondary reasons
+    get written (a survivor's "process failure" while the job is being ended) is a race, the cause is not."""
     by_launch = {record.get("launch"): record for record in outcomes}  # a launch judged twice counts once
     outcomes = [by_launch[k] for k in sorted(by_launch, key=lambda k: k if isinstance(k, int) else -1)]
+    newest = set(_reasons(outcomes[-1])) if outcomes else set()
     count = 0
     for record in reversed(outcomes):
+        reasons = set(_reasons(record))
         if record.get("verdict") != "restart" or record.get("stepped") or \
-                record.get("signature") != outcomes[-1].get("signature"):
+                not (reasons & newest or reasons == newest):
             break
         count += 1
     return count
+
+
+def _reasons(outcome: dict[str, Any]) -> list[str]:
+    """The reasons an outcome record names (older records kept only the joined ``signature``)."""
+    reasons = outcome.get("reasons")
+    if isinstance(reasons, list):
+        return [str(r) for r in reasons]
+    signature = str(outcome.get("signature", ""))
+    return signature.split("; ") if signature else []
 
 
 def max_startup_failures_setting() -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.recovery.local_snapshot import node_name
-from nanotron_recover.run_folder import ensure_run_id, read_metrics
+from nanotron_recover.run_folder import ensure_run_id, last_logged_step, read_metrics
 from nanotron_recover.runs import run_training, write_config
 from tests.conftest import make_tiny_config
 from tests.recovery.snapshot_world import mounted_tmpfs
@@ -140,8 +140,13 @@ def fill(folder: Path) -> None:
             pass
 
 
+def written_snapshots(mount: Path) -> list[Path]:
+    """The complete snapshot files in the store (a rank has passed its start-up space check and writes)."""
+    return [p for p in mount.rglob("*") if p.is_file() and not p.name.endswith(".tmp") and p.name != "filler"]
+
+
 def test_a_full_store_does_not_end_the_run(small_tmpfs, tmp_path):
-    steps = 200  # a step takes ~15 ms here: enough of them that snapshots are still being written after the fill
+    steps = 600  # a step takes 7-15 ms here: enough of them that snapshots are still being written after the fill
     run_dir = tmp_path / "run"
     config_path = write_config(tiny(small_tmpfs / "store", steps), run_dir / "config.yaml")
     cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
@@ -150,17 +155,20 @@ def test_a_full_store_does_not_end_the_run(small_tmpfs, tmp_path):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None and not read_metrics(run_dir)[0]:
-            time.sleep(0.02)
-        fill(small_tmpfs)  # past the launcher's check: the next snapshot writes find no space
+        while time.monotonic() < deadline and proc.poll() is None and not written_snapshots(small_tmpfs):
+            time.sleep(0.01)
+        filled_at = last_logged_step(run_dir)
+        fill(small_tmpfs)  # past the launcher's and the ranks' checks: the next snapshot writes find no space
         proc.wait(timeout=TIMEOUT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
     log.seek(0)
     output = log.read()
-    assert [s["step"] for s in read_metrics(run_dir)[0]] == list(range(1, steps + 1)), output[-3000:]
-    assert "local snapshots turned off on this rank: no space left in" in output, output[-3000:]
+    said = "\n".join(line for line in output.splitlines() if not line.startswith("[step"))  # what is not a step
+    assert [s["step"] for s in read_metrics(run_dir)[0]] == list(range(1, steps + 1)), said[-3000:]
+    assert filled_at < steps, f"the run had ended before the store was filled\n{said[-3000:]}"
+    assert "local snapshots turned off on this rank: no space left in" in output, said[-3000:]
     assert "partial file was removed" in output
     assert not list(small_tmpfs.rglob("*.tmp"))
     assert not (small_tmpfs / "store" / ensure_run_id(run_dir)).exists()  # the finished run removed its folder

@@ -111,6 +111,11 @@ class FaultToleranceArgs:
             MPI polls, the fastest with a core per rank). ``poll``: asleep until every peer has arrived, so that a
             waiting rank leaves the CPU to the ranks it waits for. ``auto`` (default): ``poll`` when the node holds
             more ranks than cores, else ``block`` (:mod:`nanotron_recover.ft.waiting`).
+        stop_grace_s: after a stop signal (SIGTERM, SIGINT or SIGUSR1 to the launcher or to the ranks), the job has
+            this long to commit the step in flight, snapshot it and exit 3 (:mod:`nanotron_recover.stop_request`);
+            then the launcher ends it at once. Keep it below the scheduler's grace (Slurm: ``KillWait``, 30 s).
+        checkpoint_on_stop: also write a disk checkpoint of the last step at a graceful stop (the node-local
+            snapshot is written either way; with ``local_snapshot_interval: 0`` the checkpoint is written instead).
     """
 
     enabled: bool = True
@@ -141,6 +146,8 @@ class FaultToleranceArgs:
     straggler_action: str = "drain"
     data_plane: str = "auto"
     mpi_wait: str = "auto"
+    stop_grace_s: float = 25.0
+    checkpoint_on_stop: bool = False
 
 
 @dataclass
@@ -192,6 +199,14 @@ class RecoverConfig(Config):
         """A run with a ``checkpoints`` section ends with its last step on disk, whatever the interval: the trainer
         writes it, and the launcher calls the run done only once it is there."""
         return self.checkpoints is not None
+
+    @property
+    def checkpoints_at_stop(self) -> bool:
+        """Whether a graceful stop also writes a disk checkpoint: asked for, or no node-local snapshot would hold
+        the step (snapshots off); never without a ``checkpoints`` section."""
+        ft = self.fault_tolerance
+        return self.checkpoints is not None and ft is not None and (
+            ft.checkpoint_on_stop or ft.local_snapshot_interval == 0)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -324,6 +339,7 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be >= 1 second (or null for the default), got {ft.hang_timeout_s}")
     _check(ft.finalize_timeout_s >= 1, "fault_tolerance.finalize_timeout_s",
            f"must be >= 1 second, got {ft.finalize_timeout_s}")
+    _check(ft.stop_grace_s >= 1, "fault_tolerance.stop_grace_s", f"must be >= 1 second, got {ft.stop_grace_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")
     interval = ft.local_snapshot_interval

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from nanotron_recover.config import RecoverConfig
     from nanotron_recover.mpirun_watch import MpirunWatch
+    from nanotron_recover.stop_request import LauncherStop
 
 
 HOSTFILE_ENV = "NANOTRON_RECOVER_HOSTFILE"  # an Open MPI hostfile for the launch
@@ -118,8 +119,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
     from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
 
-    finalize_s = (config.fault_tolerance or FaultToleranceArgs()).finalize_timeout_s
-    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=finalize_s, pass_fds=(lock,))
+    ft = config.fault_tolerance or FaultToleranceArgs()
+    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=ft.finalize_timeout_s, pass_fds=(lock,),
+                             stop_grace_s=ft.stop_grace_s if config.ft_enabled else None)
     return _judge(run_dir, config, rc, args.max_startup_failures)
 
 
@@ -134,11 +136,13 @@ def launch_record(config: "RecoverConfig", by: str) -> dict:
 
 
 def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES,
-                        finalize_timeout_s: float = 60.0, pass_fds: tuple[int, ...] = ()) -> int:
-    """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything."""
+                        finalize_timeout_s: float = 60.0, pass_fds: tuple[int, ...] = (),
+                        stop_grace_s: float | None = None) -> int:
+    """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything.
+    ``stop_grace_s``: how long a stop signal leaves the job to stop by itself (None: the stock path)."""
     for attempt in range(1 + retries):
         started = time.time()
-        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s, pass_fds)
+        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s, pass_fds, stop_grace_s)
         failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, tail)
         if failure is None or attempt == retries:
             return rc
@@ -148,8 +152,9 @@ def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RET
     return rc
 
 
-def _wait_watching(proc: "subprocess.Popen", watch: "MpirunWatch | None") -> int:
-    """mpirun's return code; a frozen or stuck mpirun is ended when the watch says so."""
+def _wait_watching(proc: "subprocess.Popen", watch: "MpirunWatch | None", stop: "LauncherStop | None" = None) -> int:
+    """mpirun's return code; a frozen or stuck mpirun is ended when the watch says so, a job that does not stop
+    within the grace after a stop signal when ``stop`` says so."""
     import subprocess
 
     from nanotron_recover.mpirun_watch import end_mpirun
@@ -158,6 +163,8 @@ def _wait_watching(proc: "subprocess.Popen", watch: "MpirunWatch | None") -> int
         try:
             return proc.wait(timeout=WATCH_EVERY_S)
         except subprocess.TimeoutExpired:
+            if stop is not None:
+                stop.overdue()
             why = watch.overdue() if watch is not None else None
             if why is not None:
                 print(f"[nanotron-recover] {why}: ending it (SIGKILL); the run is judged by what it wrote",
@@ -178,9 +185,10 @@ def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
 
 
 def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None, finalize_timeout_s: float = 60.0,
-                            pass_fds: tuple[int, ...] = ()) -> tuple[int, bytes]:
-    """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); SIGTERM,
-    SIGINT and SIGHUP sent to the launcher go on to mpirun, which ends the job. Its output passes through
+                            pass_fds: tuple[int, ...] = (), stop_grace_s: float | None = None) -> tuple[int, bytes]:
+    """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); a stop signal
+    sent to the launcher stops the job gracefully (:class:`~nanotron_recover.stop_request.LauncherStop`; the stock
+    path: mpirun ends it at once). Its output passes through
     unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`). A frozen or
     stuck mpirun is ended within a bound (:mod:`nanotron_recover.mpirun_watch`), never waited on for ever."""
     import signal
@@ -189,9 +197,17 @@ def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None, finaliz
 
     from nanotron_recover.mpirun_watch import MpirunWatch
     from nanotron_recover.output_filter import NoiseFilter, noise_summary
+    from nanotron_recover.stop_request import LauncherStop, blocked_for_mpirun
 
     # the run folder's lock goes with mpirun: held while the job lives, even if the launcher is killed
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_for_mpirun(stop_grace_s is not None))
+    try:  # mpirun inherits the mask; signals to the launcher meanwhile wait for the handlers below
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds)
+        stop = LauncherStop(proc, stop_grace_s, say=lambda line: print(f"[nanotron-recover] {line}",
+                                                                       file=sys.stderr, flush=True))
+        stop.install()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
     tail = bytearray()
     lock = threading.Lock()
     filters = [NoiseFilter(), NoiseFilter()]
@@ -215,10 +231,8 @@ def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None, finaliz
              threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, filters[1]), daemon=True)]
     for thread in pumps:
         thread.start()
-    forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, forward)
-    rc = _wait_watching(proc, MpirunWatch(proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None)
+    rc = _wait_watching(proc, MpirunWatch(proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None,
+                        stop)
     for thread in pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us here
         thread.join(5.0)
     summary = noise_summary(sum(f.dropped for f in filters))

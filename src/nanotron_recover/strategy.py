@@ -54,6 +54,7 @@ class CommittedStep:
     quotas: dict[int, int] | None = None  # microbatches per computing replica (logged per step)
     balance: dict[str, Any] | None = None  # measured speeds per replica, drained stragglers (logged per step)
     nonfinite: str | None = None  # what was NaN or infinite (the loss, a gradient): the step must not be committed
+    stop: str | None = None  # why this committed step is the job's last (a stop signal), the same on every rank
 
 
 class MetricsSink(Protocol):
@@ -130,6 +131,9 @@ class DataParallelStrategy(ABC):
 
     def finish(self, step: int, services: StepServices) -> None:
         """Called by every rank after the last step."""
+
+    def settle_snapshot(self) -> None:
+        """Wait until the node-local snapshot of the last committed step is on disk (a graceful stop)."""
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         """Collective at start-up: load the newest committed step kept in node-local snapshots if it is newer than

@@ -20,6 +20,7 @@ from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PE
 from nanotron_recover.overrides import add_override_args
 from nanotron_recover.run_folder import record_exit
 from nanotron_recover.startup_guard import StartupGuard, arm_startup_guard
+from nanotron_recover.stop_request import STOP
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
 
@@ -29,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_override_args(parser)
     args = parser.parse_args(argv)
     guard = arm_startup_guard(args.config_file, args.run_dir)
+    STOP.install()  # a stop signal from now on ends the job at a step boundary (stop_request.py)
 
     from nanotron_recover.config import ConfigError
     from nanotron_recover.overrides import load_effective_config
@@ -58,6 +60,7 @@ def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
     from nanotron_recover.trainer import RecoverTrainer
     from nanotron_recover.world import init_stock_torch_world
 
+    STOP.uninstall()  # stock nanotron ends on a signal: the checkpoint-restart baseline keeps doing so
     init_stock_torch_world(timeout_s)
     trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
     code, reason, extra = EXIT_DONE, "finished", {}

@@ -36,6 +36,7 @@ from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
 from nanotron_recover.phases import Phase
+from nanotron_recover.stop_request import StopRequested
 from nanotron_recover.strategy import CommittedStep, DataParallelStrategy, LocalWork, StepServices
 from nanotron_recover.training_state import is_dtensor
 
@@ -262,12 +263,25 @@ class RecoverTrainer:
                 self._at(Phase.CHECKPOINT)
                 self.save_checkpoint(step)
                 saved = step
+            if result.stop is not None:
+                self._stop(step, result.stop, saved == step)
         if self.config.saves_final_checkpoint and saved != self.step:
             # the trained model is the job's product: the launcher calls a run done only once it is on disk, so a
             # run killed in this save (or resumed at its last step from node-local snapshots) writes it here
             self.save_checkpoint(self.step)
         self.dp.finish(self.step, self.services)
         self.metrics.close()
+
+    def _stop(self, step: int, reason: str, saved: bool) -> None:
+        """A stop signal reached the job: ``step`` is its last (every rank knows it from the step's sums). Its
+        node-local snapshot is being written (and a checkpoint where the config asks): wait for it, then end."""
+        self.dp.settle_snapshot()
+        if self.config.checkpoints_at_stop and not saved:
+            self._at(Phase.CHECKPOINT)
+            self.save_checkpoint(step, extra_state={"stopped": "signal"})
+        if self.metrics.enabled:
+            self.metrics.log_event({"event": "stop", "step": step, "reason": reason})
+        raise StopRequested(reason)
 
     def _resume(self) -> int:
         """The step to continue after (0: from scratch). The newest intact checkpoint is chosen on every rank alike

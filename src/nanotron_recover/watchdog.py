@@ -124,6 +124,8 @@ def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None,
         # would end the watchdog before it recorded anything (the end of file below still tells it the rank died).
         os.setpgid(0, 0)
         signal.signal(signal.SIGTERM, _on_sigterm)
+        for asks_to_stop in (signal.SIGINT, signal.SIGUSR1):  # a graceful stop is the rank's business
+            signal.signal(asks_to_stop, signal.SIG_IGN)
         ready, _, _ = select.select([read_fd], [], [], timeout_s)
         if not ready:
             reason = (f"{label} not ready to train after startup_timeout_s={timeout_s:g} s (a rank died or hung "

@@ -11,8 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "nanotron_recover"
 # Each top-level module or package of nanotron_recover, bottom floor first. A unit may import units on its own
 # floor or below, never above; a new unit must be given a floor here.
 FLOORS: list[set[str]] = [
-    {"exit_codes", "devices", "phases", "job_shape", "procfs", "disk_space", "output_filter"},  # constants, phase
-    # names, device choices, the job shape, what /proc says of a process, a full disk named, the launcher's filter
+    {"exit_codes", "devices", "phases", "job_shape", "procfs", "disk_space", "output_filter", "stop_request"},
+    # constants, phase names, device choices, the job shape, what /proc says of a process, a full disk named, the
+    # launcher's filter, the stop signals
     {"run_folder"},  # the run folder's layout and every reader and writer of it
     {"inject", "watchdog", "workload", "nanotron_compat", "world"},  # before MPI_Init; the pure planner
     {"startup_guard", "ft", "config", "metrics", "sim", "training_state", "models", "engines", "data", "mpirun",

@@ -21,6 +21,7 @@ from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERS
 from nanotron_recover.ft import FailureDetected, ReplicaEvicted
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas, StragglerEvicted
+from nanotron_recover.stop_request import StopRequested
 from nanotron_recover.watchdog import arm_exit_deadline, end_job
 
 if TYPE_CHECKING:
@@ -114,6 +115,12 @@ class ProcessLifecycle:
         self.on_exit(0, f"evicted by watcher: {reason}")
         self.drop_snapshots()
 
+    def settle_snapshot(self) -> None:
+        """Wait for the write of the last committed step's node-local snapshot (it said so itself if it failed)."""
+        snapshots = getattr(self, "snapshots", None)
+        if snapshots is not None:
+            snapshots.finish()
+
     def drop_snapshots(self) -> None:
         """Leaving while the others train on: this replica's node-local snapshot files on this node go (a finished
         run's are deleted by ``finish``; a node whose ranks all left kept them for ever)."""
@@ -152,6 +159,8 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
         code, reason = _leave_as_straggler(dp, e)
     except BelowMinimumReplicas as e:
         code, reason = _stop_below_minimum(dp, trainer, e)
+    except StopRequested as e:  # agreed by every rank: the step's snapshot is written
+        code, reason = _stop_on_request(dp, trainer, e)
     except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
         code, reason = _after_error(dp, error)
     dp.on_exit(code, reason, **extra)
@@ -215,6 +224,13 @@ def _stop_below_minimum(dp: Any, trainer: Any,
         trainer.metrics.log_event({"event": "stopped", "reason": str(e), "step": step})
         trainer.metrics.close()
     return EXIT_BELOW_MIN_REPLICAS, str(e)
+
+
+def _stop_on_request(dp: Any, trainer: Any, e: StopRequested) -> tuple[int, str]:
+    if dp.ft.rank == 0:
+        print(f"[nanotron-recover] {e}: exit {EXIT_RESTART}", file=sys.stderr, flush=True)
+    trainer.metrics.close()
+    return EXIT_RESTART, str(e)
 
 
 def _stop_for_person(trainer: Any, e: NeedsPerson) -> tuple[int, str, dict]:

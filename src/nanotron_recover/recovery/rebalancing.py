@@ -10,7 +10,8 @@ reduction that failed may have completed on some ranks only.
 
 One entry counts the ranks whose reduced gradient holds a NaN or an infinity; with the loss sum (NaN or infinite
 when any microbatch's loss was) it tells every rank, spares included, in the same step that the step must not be
-committed (:meth:`StepStats.nonfinite`).
+committed (:meth:`StepStats.nonfinite`). The entry before it counts the ranks that received a stop signal
+(:mod:`nanotron_recover.stop_request`): the step it is seen in is the job's last (:meth:`StepStats.stop_reason`).
 
 Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.recovery.snapshot_schedule`): each rank's
 cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
@@ -26,6 +27,7 @@ import numpy as np
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.recovery.errors import StragglerEvicted
+from nanotron_recover.stop_request import STOP, stop_reason
 from nanotron_recover.strategy import LocalWork
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -33,6 +35,7 @@ from nanotron_recover.workload.spares import ReplicaRoster
 LOSS, MICROBATCHES = 0, 1  # the first two entries of the stats buffer
 SNAPSHOT_ENTRIES = 4  # the last ones: snapshot write cost, writers, step time, ranks
 NONFINITE_GRADS = -(SNAPSHOT_ENTRIES + 1)  # just before them: how many ranks hold a non-finite reduced gradient
+STOP_REQUESTS = NONFINITE_GRADS - 1  # and before that: how many ranks were asked to stop (a signal)
 
 
 def settings_of(config: RecoverConfig) -> RebalanceSettings:
@@ -53,21 +56,23 @@ class StepStats:
 
     def __init__(self, config: RecoverConfig) -> None:
         self.slots = config.parallelism.dp
-        self.stats = np.zeros(2 + 2 * self.slots + 1 + SNAPSHOT_ENTRIES, dtype=np.float64)
+        self.stats = np.zeros(2 + 2 * self.slots + 2 + SNAPSHOT_ENTRIES, dtype=np.float64)
         self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
         self.evicts = config.fault_tolerance.straggler_action == "evict"
         self.evicting: set[int] = set()
 
     def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None,
              snapshot_cost_s: float | None = None, step_s: float | None = None,
-             grads_finite: bool = True) -> np.ndarray:
+             grads_finite: bool = True, stop: bool | None = None) -> np.ndarray:
         """This rank's contribution: ``counts`` for local rank 0 of a computing replica (the count and the speeds
         are counted once per replica), ``slot`` the slot its replica holds; ``snapshot_cost_s`` and ``step_s``
         its last measured snapshot write and step (None: none measured yet); ``grads_finite``: whether its reduced
-        gradient is free of NaN and infinity."""
+        gradient is free of NaN and infinity; ``stop``: whether it received a stop signal (None: this process's
+        :data:`~nanotron_recover.stop_request.STOP`)."""
         self.stats[:] = 0.0
         self.stats[LOSS] = loss
         self.stats[NONFINITE_GRADS] = 0.0 if grads_finite else 1.0
+        self.stats[STOP_REQUESTS] = 1.0 if (STOP.requested if stop is None else stop) else 0.0
         self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
         if counts and slot is not None:
             self.stats[2 + slot] = work.compute_s
@@ -87,6 +92,11 @@ class StepStats:
         if ranks:
             return f"{ranks} rank(s) hold a non-finite gradient (the loss is finite: {loss:.6g})"
         return None
+
+    def stop_reason(self, step: int) -> str | None:
+        """Why the committed ``step`` is the job's last (the same on every rank), or None."""
+        ranks = int(self.stats[STOP_REQUESTS])
+        return stop_reason(ranks, step) if ranks else None
 
     def snapshot_sums(self) -> tuple[float, float, float, float]:
         """The committed step's (write cost µs, writers, step µs, ranks) sums, for the snapshot schedule."""

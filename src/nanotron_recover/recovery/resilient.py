@@ -186,7 +186,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             self.buckets.release(step)  # committed: the snapshots are no longer needed
         self.holders = set(plan)  # the replicas that computed and committed this step, still alive
         stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
-        self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums())
+        stop = self.step_stats.stop_reason(step)  # a stop signal reached a rank: this step is the last
+        self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
         committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:
             if self.keep_global_batch:
@@ -202,8 +203,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             recoveries=recoveries,
             quotas={r: len(v) for r, v in plan.items()},
             balance=balance,
-            nonfinite=self.step_stats.nonfinite(),
-        )
+            nonfinite=self.step_stats.nonfinite(), stop=stop)
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.

@@ -76,11 +76,13 @@ class SnapshotSchedule:
         if self.fixed is None and self.cost_s is not None and self.step_s is not None:
             self.interval = next_interval(self.interval, self.cost_s, self.step_s, self.mtbf_s, self.max_interval)
 
-    def commit(self, step: int, sums: tuple[float, float, float, float]) -> bool:
+    def commit(self, step: int, sums: tuple[float, float, float, float], last: bool = False) -> bool:
         """A committed step, with its world-wide sums (:meth:`observe`): whether it is snapshotted (also kept in
-        ``due_now``)."""
+        ``due_now``). ``last``: the job stops after it (a stop signal): snapshotted unless snapshots are off."""
         self.observe(*sums)
         self.due_now = self.due(step)
+        if last and not self.due_now and self.fixed != 0:
+            self.due_now, self.last = True, step
         return self.due_now
 
     def news(self, step: int) -> dict | None:

@@ -97,7 +97,7 @@ def test_a_stop_signal_ends_the_job_at_a_step_and_the_relaunch_computes_no_step_
     steps, events = read_metrics(run_dir)
     last = steps[-1]["step"]
     assert last < STEPS, "the job finished before the signal could stop it"
-    stops = [e for e in events if e.get("event") == "stop"]
+    stops = [e for e in events if e.get("event") == "stop_signal"]
     assert [e["step"] for e in stops] == [last], output[-3000:]
 
     relaunched = time.time()

@@ -78,6 +78,53 @@ recover_mpirun_cmd() {
     MPI_CMD+=(${MPIRUN_ARGS:-})
     # shellcheck disable=SC2086
     MPI_CMD+=("$RECOVER_PYTHON" -u -m nanotron_recover.train --config-file "$CONFIG" --run-dir "$RUN_DIR" ${TRAIN_ARGS:-})
+    if [[ $mode == ulfm ]]; then
+        # mpirun starts with SIGTERM and SIGINT blocked (PRRTE unblocks them in the ranks): at preemption or at the
+        # time limit Slurm signals every process of the job, and mpirun would SIGKILL the ranks within a second;
+        # the ranks stop by themselves at a step boundary instead (graceful stop, see recover_launch)
+        MPI_CMD=("$RECOVER_PYTHON" -c "$RECOVER_MASKED_EXEC" "${MPI_CMD[@]}")
+    fi
+}
+
+RECOVER_MASKED_EXEC='import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+os.execv(sys.argv[1], sys.argv[1:])'
+
+# recover_launch ulfm|stock: run MPI_CMD -> rc. On the ULFM path a stop signal to this script (SIGUSR1 from
+# `#SBATCH --signal=B:USR1@SECONDS` before the time limit, SIGTERM or SIGINT) goes on to mpirun as SIGUSR1, which
+# forwards it to every rank: they finish the step in flight, snapshot it node-locally and exit 3, and the job is
+# requeued (or relaunched). A second SIGTERM or SIGINT ends the job at once (SIGHUP to mpirun).
+recover_launch() {
+    local mode=$1
+    if [[ $mode != ulfm ]]; then
+        "${MPI_CMD[@]}"
+        return
+    fi
+    RECOVER_STOPS=0
+    "${MPI_CMD[@]}" &
+    RECOVER_MPI_PID=$!
+    trap 'recover_stop USR1' USR1
+    trap 'recover_stop TERM' TERM
+    trap 'recover_stop INT' INT
+    local rc
+    while :; do
+        wait "$RECOVER_MPI_PID"
+        rc=$?
+        kill -0 "$RECOVER_MPI_PID" 2>/dev/null || break  # else a trapped signal interrupted the wait
+    done
+    trap - USR1 TERM INT
+    return "$rc"
+}
+
+recover_stop() {
+    RECOVER_STOPS=$((RECOVER_STOPS + 1))
+    if (( RECOVER_STOPS == 1 )) || [[ $1 == USR1 ]]; then
+        recover_log "SIG$1: the job stops after the step in flight (its node-local snapshot written, exit 3)"
+        kill -USR1 "$RECOVER_MPI_PID" 2>/dev/null || true
+    else
+        recover_log "SIG$1 again: ending the job now"
+        kill -HUP "$RECOVER_MPI_PID" 2>/dev/null || true
+    fi
 }
 
 # recover_run ulfm|stock: launch, judge by the run dir, relaunch (requeue / loop) until done or out of restarts
@@ -100,7 +147,7 @@ recover_run() {
         "$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" begin --config-file "$CONFIG" \
             --run-dir "$RUN_DIR" ${TRAIN_ARGS:-} >/dev/null || recover_die "cannot record the launch in $RUN_DIR"
         set +e
-        "${MPI_CMD[@]}"
+        recover_launch "$mode"
         rc=$?
         verdict=$("$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" outcome --run-dir "$RUN_DIR" \
                   --train-steps "$RECOVER_TRAIN_STEPS" --mpirun-rc "$rc" --checkpoints-path "$RECOVER_CHECKPOINTS_PATH" \

@@ -280,7 +280,7 @@ class RecoverTrainer:
             self._at(Phase.CHECKPOINT)
             self.save_checkpoint(step, extra_state={"stopped": "signal"})
         if self.metrics.enabled:
-            self.metrics.log_event({"event": "stop", "step": step, "reason": reason})
+            self.metrics.log_event({"event": "stop_signal", "step": step, "reason": reason})
         raise StopRequested(reason)
 
     def _resume(self) -> int:

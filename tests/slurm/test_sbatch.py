@@ -151,6 +151,35 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
         assert abs(got - want) <= 1e-5, f"step {step}: {got} vs failure-free {want}"
 
 
+# -------------------------------------------------------------------- 2b. the time-limit warning (SIGUSR1)
+@needs_slurm
+def test_the_time_limit_warning_stops_the_job_at_a_step_and_the_requeued_job_computes_no_step_twice(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """What ``#SBATCH --signal=B:USR1@60`` does a minute before the time limit: SIGUSR1 to the batch script, which
+    passes it on to mpirun and the ranks; the job stops after a step with its snapshot, exit 3, and is requeued."""
+    steps = 400  # ~7 ms each: seconds of training, time enough to signal in the middle
+    raw = make_tiny_config(dp=2, steps=steps, accumulation=2, layers=2,
+                           fault_tolerance={"enabled": True, "local_snapshot_dir": str(tmp_path / "shm")})
+    config = write_config(raw, tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
+                         sbatch_args=["--ntasks=2", f"--output={log}"])
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not [s for s in read_metrics(run_dir)[0] if s["step"] >= 20]:
+        time.sleep(0.02)
+    subprocess.run(["scancel", "--signal=USR1", "-b", str(job)], env=cluster.env, timeout=30, check=True)
+    reference = run_training(raw, tmp_path / "reference", timeout_s=150, extra_args=["--synthetic-data"])
+    info = cluster.wait(job, timeout_s=240)
+    output = log.read_text() if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert info["Restarts"] == "1" and "SIGUSR1: the job stops" in output, (info, output[-4000:])
+    records = read_metrics_jsonl(run_dir)
+    stops = [r["step"] for r in records if r.get("event") == "stop_signal"]
+    assert len(stops) == 1 and 20 <= stops[0] < steps, (stops, output[-4000:])
+    assert [r["step"] for r in records if "event" not in r] == list(range(1, steps + 1)), "a step computed twice"
+    assert [s["loss"] for s in read_metrics(run_dir)[0]] == reference.losses
+
+
 # ------------------------------------------------------------------------ 3. killed in the middle of a save
 def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path: Path) -> None:
     config = _ft_config(min_replicas=1)

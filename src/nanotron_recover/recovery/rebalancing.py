@@ -12,7 +12,7 @@ One entry counts the ranks whose reduced gradient holds a NaN or an infinity; wi
 when any microbatch's loss was) it tells every rank, spares included, in the same step that the step must not be
 committed (:meth:`StepStats.nonfinite`).
 
-Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.recovery.snapshot_schedule`): each rank's
+Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.snapshots.schedule`): each rank's
 cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
 contributors, still an exact sum), with how many ranks contributed each.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.strategy import LocalWork
+from nanotron_recover.training.seam import LocalWork
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
 

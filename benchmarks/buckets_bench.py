@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
-from nanotron_recover.recovery.buckets import GradBuckets  # noqa: E402
+from nanotron_recover.training.buckets import GradBuckets  # noqa: E402
 
 
 def _params(total_mb: float, param_mb: float, device: torch.device) -> list[tuple[str, torch.nn.Parameter]]:

@@ -32,7 +32,7 @@ from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_con
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times, summarize  # noqa: E402
-from nanotron_recover.mpirun import mpirun_command  # noqa: E402
+from nanotron_recover.launcher.mpirun import mpirun_command  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "lib" / "data_plane_worker.py"
 PLANES = ("mpi", "torch")

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
-from nanotron_recover.runs import (  # noqa: E402
+from nanotron_recover.launcher.runs import (  # noqa: E402
     RunResult,
     final_checkpoint,
     max_loss_diff,

@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line  # noqa: E402
-from nanotron_recover.launch import MPIRUN_ARGS_ENV  # noqa: E402
-from nanotron_recover.mpirun import mpirun_command  # noqa: E402
+from nanotron_recover.launcher.launch import MPIRUN_ARGS_ENV  # noqa: E402
+from nanotron_recover.launcher.mpirun import mpirun_command  # noqa: E402
 from nanotron_recover.testbed.fake_nodes import write_bed  # noqa: E402
 
 PROGRAM = """

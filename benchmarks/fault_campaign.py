@@ -50,21 +50,21 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
-from nanotron_recover.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART  # noqa: E402
-from nanotron_recover.procfs import proc_stat  # noqa: E402
-from nanotron_recover.run_folder import (  # noqa: E402
-    latest_checkpoint_step,
-    read_metrics_jsonl,
-    record_external_fault,
-    run_id,
-)
-from nanotron_recover.runs import (  # noqa: E402
+from nanotron_recover.launcher.runs import (  # noqa: E402
     final_checkpoint,
     max_relative_param_diff,
     mpirun_pid,
     rank_pids,
     rank_processes,
     write_config,
+)
+from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART  # noqa: E402
+from nanotron_recover.run.procfs import proc_stat  # noqa: E402
+from nanotron_recover.run.run_folder import (  # noqa: E402
+    latest_checkpoint_step,
+    read_metrics_jsonl,
+    record_external_fault,
+    run_id,
 )
 from nanotron_recover.testbed.fake_nodes import kill_node, write_bed  # noqa: E402
 
@@ -97,7 +97,7 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
                bed: Path | None = None) -> Launch:
     """One launch through the user's launcher; ``faults`` are sent from outside at their moments. With ``bed``
     (a fake-node bed already written there) the job runs on its nodes."""
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data"]
     env = {**os.environ, **bed_env(bed)} if bed is not None else None
     t0 = time.monotonic()

@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest (the tiny config)
 
-from nanotron_recover.launch import MPIRUN_ARGS_ENV  # noqa: E402
-from nanotron_recover.mpirun import mpirun_command, runtime_prefix, runtime_versions  # noqa: E402
+from nanotron_recover.launcher.launch import MPIRUN_ARGS_ENV  # noqa: E402
+from nanotron_recover.launcher.mpirun import mpirun_command, runtime_prefix, runtime_versions  # noqa: E402
 from nanotron_recover.testbed.fake_nodes import kill_node, node_ranks, write_bed  # noqa: E402
 
 EXEC_LINE = 'exec bash -c "$*"'
@@ -201,7 +201,7 @@ def train_config(steps: int = STEPS) -> dict:
 
 
 def reference_run(out: Path, steps: int = STEPS):
-    from nanotron_recover.runs import run_training
+    from nanotron_recover.launcher.runs import run_training
 
     return run_training(train_config(steps), out / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
 
@@ -209,7 +209,7 @@ def reference_run(out: Path, steps: int = STEPS):
 def _loss_record(run_dir: Path, reference, steps: int, seed: int, node: str, placement: dict, delay_s: float,
                  killed_at: float | None, rc, text: str, t0: float) -> dict:
     """The record of one node-loss run, against the failure-free ``reference``."""
-    from nanotron_recover.run_folder import read_exits, read_metrics
+    from nanotron_recover.run.run_folder import read_exits, read_metrics
 
     logged, events = read_metrics(run_dir)
     want = {s["step"]: s["loss"] for s in reference.steps}
@@ -244,8 +244,8 @@ def lose_a_node(out: Path, reference, seed: int, steps: int = STEPS, node: str =
     Returns the run's record (nothing asserted)."""
     import random
 
-    from nanotron_recover.run_folder import read_metrics
-    from nanotron_recover.runs import write_config
+    from nanotron_recover.launcher.runs import write_config
+    from nanotron_recover.run.run_folder import read_metrics
 
     rng = random.Random(seed)
     after_step = rng.randint(3, steps - 10)
@@ -254,7 +254,7 @@ def lose_a_node(out: Path, reference, seed: int, steps: int = STEPS, node: str =
     config_path = write_config(train_config(steps), run_dir / "config.yaml")
     bed = out / f"bed{seed}"
     bed_env = write_runtime_bed(bed, [2, 2, 2])
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -145,6 +145,14 @@ ROWS: tuple[Row, ...] = (
     Row("scale", "ETTR at 16k GPUs (simulated), the same policies",
         "{ettr_recover_16384:.3f}; {ettr_recover_spares_16384:.3f}; {ettr_ckpt_restart_16384:.3f}; "
         "{ettr_shrinking_16384:.3f}", "as above"),
+    Row("scale", "ETTR with regrow (issue #40, simulated), warm / cold relaunch / ReCoVer as coded: 1k; 16k; 100k GPUs",
+        "{ettr_recover_regrow_warm_1024:.3f} / {ettr_recover_regrow_cold_1024:.3f} / {ettr_recover_1024:.3f}; "
+        "{ettr_recover_regrow_warm_16384:.3f} / {ettr_recover_regrow_cold_16384:.3f} / {ettr_recover_16384:.3f}; "
+        "{ettr_recover_regrow_warm_100000:.3f} / {ettr_recover_regrow_cold_100000:.3f} / "
+        "{ettr_recover_100000:.3f}",
+        "back to full width at a step boundary when the relaunch costs less than running degraded until the next "
+        "failure; warm 1.5 s + 2.4 ms per node (31 s at 100k: assumed), cold the restart model (567 s at 100k); "
+        "results/scale.md prints each decision's numbers"),
     Row("vs_torchft", "one SIGKILL: fault -> next committed step, ReCoVer / torchft",
         "{recover_fault_to_next_commit_s:.2f} s / {torchft_mar_fault_to_next_commit_s:.2f} s",
         "ReCoVer recovers inside the step; torchft waits for its lighthouse's 5-s heartbeat timeout",

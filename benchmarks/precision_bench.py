@@ -2,7 +2,7 @@
 
 Two failure-free ReCoVer runs of the same model, layout and data, one per ``model.dtype``. The bytes come from the
 process itself: each run's logging rank logs a ``training_state`` event after its first optimizer step, counting
-every storage once under its role (``nanotron_recover.memory``): parameters, fp32 masters (bf16 only), the flat
+every storage once under its role (``nanotron_recover.training.memory``): parameters, fp32 masters (bf16 only), the flat
 fp32 gradient buckets, their snapshots (in-step recovery) and Adam's state. Step time: the median over the steps
 after the first two. Writes precision.json / .md under --out.
 
@@ -24,7 +24,7 @@ from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_con
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
-from nanotron_recover.memory import ROLES  # noqa: E402
+from nanotron_recover.training.memory import ROLES  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 

@@ -12,11 +12,16 @@ Writes scale.json / scale.md / scale.png under --out (default benchmarks/results
 x: ReCoVer as coded (no spares, its best min_replicas); y: stock checkpoint-restart; z, name: the best policy
 the code can run (hypothetical policies left out), at 100,000 GPUs. ``recover_recycle`` is ``recover_spares`` with
 the same settings plus ``fault_tolerance.recycle``, so those two columns differ by recycling alone.
+``recover_regrow_warm`` / ``_cold`` (issue #40, not in the code yet): ReCoVer as coded with ``min_replicas: 1`` plus
+regrow, back to full width at a step boundary whenever the relaunch (warm onto a standby / cold) costs less than
+running degraded until the next failure (``nanotron_recover.sim.regrow``); the decision at the first lost replica
+is printed beside them with the relaunch costs that feed it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,9 +37,12 @@ from nanotron_recover.sim.cluster import Cluster  # noqa: E402
 from nanotron_recover.sim.optimal import recommend, run_policies  # noqa: E402
 from nanotron_recover.sim.params import Params, describe  # noqa: E402
 from nanotron_recover.sim.plan import _coerce  # noqa: E402
+from nanotron_recover.sim.regrow import at_first_loss  # noqa: E402
 
 SIZES = (1024, 4096, 16384, 65536, 100_000, 131_072)
-ORDER = ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle", "recover_node_tolerant")
+ORDER = ("ckpt_restart", "shrinking", "recover", "recover_regrow_warm", "recover_regrow_cold", "recover_spares",
+         "recover_recycle", "recover_node_tolerant")
+HYPOTHETICAL = ("recover_node_tolerant", "recover_regrow_warm", "recover_regrow_cold")
 
 
 def sweep(sizes: Sequence[int], tp: int, pp: int, p: Params, days: float, seeds: int) -> list[dict]:
@@ -47,6 +55,8 @@ def sweep(sizes: Sequence[int], tp: int, pp: int, p: Params, days: float, seeds:
         plain = recommend(c, p, horizon, range(min(2, seeds)), spares=(0,))
         policies = [P.ckpt_restart(best.ckpt_restart_interval), P.shrinking(best.checkpoint_interval, 1),
                     P.recover(best.checkpoint_interval, plain.min_replicas),
+                    P.recover_regrow(best.checkpoint_interval, 1, warm=True),
+                    P.recover_regrow(best.checkpoint_interval, 1, warm=False),
                     P.recover_spares(best.checkpoint_interval, best.spare_replicas, best.min_replicas),
                     P.recover_recycle(best.checkpoint_interval, best.spare_replicas, best.min_replicas),
                     P.recover_node_tolerant(best.checkpoint_interval, best.spare_replicas, best.min_replicas)]
@@ -55,6 +65,8 @@ def sweep(sizes: Sequence[int], tp: int, pp: int, p: Params, days: float, seeds:
                      "spare_replicas": best.spare_replicas, "min_replicas": best.min_replicas,
                      "min_replicas_no_spares": plain.min_replicas, "recover_interval": best.checkpoint_interval,
                      "ckpt_restart_interval": best.ckpt_restart_interval, "results": res,
+                     "regrow_first_loss": {mode: dataclasses.asdict(at_first_loss(c, p, warm=mode == "warm"))
+                                           for mode in ("warm", "cold")},
                      "seconds": time.perf_counter() - t0})
         print(f"[scale] {gpus} GPUs: " + ", ".join(f"{n} {res[n]['ettr']:.3f}" for n in ORDER)
               + f" ({rows[-1]['seconds']:.1f} s)", flush=True)
@@ -70,6 +82,15 @@ def markdown(rows: list[dict], command: str, setup: str) -> str:
         lines.append(f"| {r['gpus']} | {r['mttf_min']:.3g} | " + " | ".join(f"{res[n]['ettr']:.3f}" for n in ORDER)
                      + f" | {r['spare_replicas']} / {r['min_replicas']} ({r['min_replicas_no_spares']}) of "
                        f"{r['replicas']} | {r['ckpt_restart_interval']} / {r['recover_interval']} |")
+    lines += ["", "Regrow's decision at the first lost replica (M kept; `relaunch < T x (1 - step_full / step_now)`, "
+              "T: job MTTF; relaunch: warm / cold, parameters below):", "",
+              "| GPUs | step now / full s | T s | degraded costs s | warm relaunch s | cold relaunch s | warm / cold |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        w, c = r["regrow_first_loss"]["warm"], r["regrow_first_loss"]["cold"]
+        verdict = "/".join("regrow" if d["regrow"] else "not yet" for d in (w, c))
+        lines.append(f"| {r['gpus']} | {w['step_now_s']:.4g} / {w['step_full_s']:.4g} | {w['horizon_s']:.4g} | "
+                     f"{w['degraded_cost_s']:.4g} | {w['relaunch_s']:.4g} | {c['relaunch_s']:.4g} | {verdict} |")
     lines += ["", "Effective throughput (useful tokens per allocated GPU-hour, millions):", "",
               "| GPUs | " + " | ".join(ORDER) + " |", "|" + "---|" * (len(ORDER) + 1)]
     for r in rows:
@@ -90,8 +111,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     xs = [r["gpus"] for r in rows]
     for n in ORDER:
-        style = "--" if n == "recover_node_tolerant" else "-"
-        label = n + (" (hypothetical)" if n == "recover_node_tolerant" else "")
+        style = "--" if n in HYPOTHETICAL else "-"
+        label = n + (" (hypothetical)" if n in HYPOTHETICAL else "")
         axes[0].plot(xs, [r["results"][n]["ettr"] for r in rows], style, marker="o", label=label)
         axes[1].plot(xs, [r["results"][n]["tokens_per_gpu_hour"] / 1e6 for r in rows], style, marker="o", label=label)
     for ax, title in zip(axes, ("ETTR", "useful tokens per GPU-hour (M)")):
@@ -149,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     if not plotted:
         print("(matplotlib not installed: no plot)")
     r100 = next(r for r in rows if r["gpus"] == 100_000)["results"]
-    real = {n: r100[n]["ettr"] for n in ORDER if n != "recover_node_tolerant"}
+    real = {n: r100[n]["ettr"] for n in ORDER if n not in HYPOTHETICAL}
     best = max(real, key=real.get)
     line = (f"ettr_100k_recover={r100['recover']['ettr']:.3f} ettr_100k_ckpt_restart={r100['ckpt_restart']['ettr']:.3f}"
             f" ettr_100k_best={real[best]:.3f} best_policy={best}")

@@ -30,13 +30,13 @@ from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_con
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
 from benchmarks.lib.timeline import launch, normal_step_times  # noqa: E402
-from nanotron_recover.run_folder import read_metrics  # noqa: E402
-from nanotron_recover.runs import kill_run_processes, run_training, write_config
+from nanotron_recover.launcher.runs import kill_run_processes, run_training, write_config
+from nanotron_recover.run.run_folder import read_metrics  # noqa: E402
 
 
 def kill_and_relaunch(config: dict, run_dir: Path, kill_after: int, timeout_s: float) -> dict:
     config_path = write_config(config, run_dir / "config.yaml")
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line  # noqa: E402
-from nanotron_recover.mpirun import mpirun_command  # noqa: E402
+from nanotron_recover.launcher.mpirun import mpirun_command  # noqa: E402
 
 PROGRAM = r"""
 import importlib.util, os, resource, sys, types
@@ -36,12 +36,12 @@ rank = MPI.COMM_WORLD.Get_rank()
 os.environ["NANOTRON_RECOVER_NODE_NAME"] = f"n{rank}"
 import torch
 from nanotron_recover.ft import FTWorld
-from nanotron_recover.training_state import ensure_adam_state
+from nanotron_recover.training.training_state import ensure_adam_state
 if module_file:
     spec = importlib.util.spec_from_file_location("local_snapshot_under_test", module_file)
     snap = importlib.util.module_from_spec(spec); sys.modules[spec.name] = snap; spec.loader.exec_module(snap)
 else:
-    from nanotron_recover.recovery import local_snapshot as snap
+    from nanotron_recover.snapshots import local_snapshot as snap
 ns = types.SimpleNamespace
 ft_args = ns(local_snapshot_interval=1, local_snapshot_dir=str(base / "shm"), replica="3d", fsdp_shard_size=None)
 config = ns(fault_tolerance=ft_args, ranks_per_replica=1, model=ns(model_config="bench", dtype="float32"),

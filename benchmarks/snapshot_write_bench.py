@@ -1,5 +1,5 @@
 """One rank's snapshot write, alone: milliseconds per write of a host state of ``--mb`` MiB to ``--dir`` (tmpfs by
-default), through :class:`~nanotron_recover.recovery.local_snapshot.SnapshotWriter` as the step path uses it
+default), through :class:`~nanotron_recover.snapshots.local_snapshot.SnapshotWriter` as the step path uses it
 (queue the write, then wait for it). The median over ``--writes`` writes, the first two left out (the first
 allocates the files). To compare with another version of the writer, run the same script with that version's
 ``src`` first on ``PYTHONPATH``.
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     args = ap.parse_args(argv)
     import torch
 
-    from nanotron_recover.recovery.local_snapshot import SnapshotWriter
+    from nanotron_recover.snapshots.local_snapshot import SnapshotWriter
 
     folder = Path(tempfile.mkdtemp(dir=args.dir, prefix="snapshot-write-bench-"))
     try:

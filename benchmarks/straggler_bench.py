@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 from benchmarks.lib.config import ModelSize, add_size_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
-from nanotron_recover.runs import RunResult, run_training  # noqa: E402
+from nanotron_recover.launcher.runs import RunResult, run_training  # noqa: E402
 from nanotron_recover.workload.planner import replan_orphans  # noqa: E402
 
 REPLICAS = 4

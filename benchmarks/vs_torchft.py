@@ -224,7 +224,7 @@ def weights_diff(run: SystemRun, ref: SystemRun) -> float | None:
         from benchmarks.lib.side_by_side import relative_weight_diff
 
         return relative_weight_diff(torch.load(ref.final_weights), torch.load(run.final_weights))
-    from nanotron_recover.runs import max_relative_param_diff
+    from nanotron_recover.launcher.runs import max_relative_param_diff
 
     return max_relative_param_diff(ref.final_weights, run.final_weights)
 

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
 from benchmarks.lib.config import make_config  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
-from nanotron_recover.runs import run_training  # noqa: E402
+from nanotron_recover.launcher.runs import run_training  # noqa: E402
 
 MODES = ("offline", "disabled")
 

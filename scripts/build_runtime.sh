@@ -168,7 +168,7 @@ build() {
  "mpi4py": "$MPI4PY_VERSION", "configure": "--with-ft=ulfm --with-pmix=internal --with-prrte=internal"}
 EOF
   cat "$prefix/share/ft-runtime-versions.json"
-  log "done: NANOTRON_RECOVER_RUNTIME=$prefix selects it (src/nanotron_recover/mpirun.py)"
+  log "done: NANOTRON_RECOVER_RUNTIME=$prefix selects it (src/nanotron_recover/launcher/mpirun.py)"
 }
 
 case "${1:-}" in

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from nanotron_recover.recovery.buckets import GradBuckets
+from nanotron_recover.training.buckets import GradBuckets
 
 
 def check_cuda_buckets() -> None:
@@ -47,7 +47,7 @@ def check_cuda_fsdp_buckets() -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from nanotron_recover.training_state import local_tensor
+    from nanotron_recover.training.training_state import local_tensor
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")

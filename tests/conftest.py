@@ -15,8 +15,8 @@ from tests.upstream_crash import failure_texts, open_mpi_crash
 
 STOCK = Path(__file__).parent / "fixtures" / "stock_nanotron.yaml"
 # wandb's offline run (a service process, its handshake, its files) costs each job's logging rank seconds of
-# start-up on 2 cores; the tests of the wandb copy (tests/test_metrics.py, the main job, a logging rank's handover
-# in a fault, the campaign slice) turn it back on with WANDB_MODE=offline, the users' default
+# start-up on 2 cores; the tests of the wandb copy (tests/training/test_metrics.py, the main job, a logging rank's
+# handover in a fault, the campaign slice) turn it back on with WANDB_MODE=offline, the users' default
 os.environ.setdefault("WANDB_MODE", "disabled")
 # NANOTRON_RECOVER_TEST_DATA_PLANE=torch runs every fault-tolerant job of the suite whose config does not name a
 # data plane on the torch one (docs/data-plane.md: the fault suites on both planes)
@@ -98,7 +98,7 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 # found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting).
 def _scan_run_records(base: Path) -> dict[str, list]:
 
-    from nanotron_recover.run_folder import METRICS_FILE, has_provoked_hang, read_exits
+    from nanotron_recover.run.run_folder import METRICS_FILE, has_provoked_hang, read_exits
 
     found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": []}
     for metrics in base.rglob(METRICS_FILE):
@@ -123,7 +123,7 @@ def _remove_left_snapshots(base: Path) -> None:
     import shutil
 
     from nanotron_recover.config import FaultToleranceArgs
-    from nanotron_recover.run_folder import RUN_ID_FILE
+    from nanotron_recover.run.run_folder import RUN_ID_FILE
 
     folder = Path(FaultToleranceArgs().local_snapshot_dir).resolve()
     for id_file in base.rglob(RUN_ID_FILE):

@@ -157,7 +157,7 @@ def test_invalid_yaml_exits_2_from_both_entry_points(tmp_path: Path, entry: str,
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: b: c\n")
     if entry == "launch":
-        from nanotron_recover.launch import main
+        from nanotron_recover.launcher.launch import main
 
         code = main(["train", "--config-file", str(bad)])
     else:
@@ -178,7 +178,7 @@ def _precision_config(dtype: str, *, ft: bool, fp32_accumulation: bool = True):
 
 @pytest.mark.parametrize("ft", [True, False])
 def test_bfloat16_is_trained_as_asked_on_both_paths(ft):
-    from nanotron_recover.preflight import check_runtime_inputs
+    from nanotron_recover.launcher.preflight import check_runtime_inputs
 
     config = _precision_config("bfloat16", ft=ft)
     check_runtime_inputs(config)
@@ -186,7 +186,7 @@ def test_bfloat16_is_trained_as_asked_on_both_paths(ft):
 
 
 def test_bfloat16_without_fp32_accumulation_is_refused_with_fault_tolerance_only():
-    from nanotron_recover.preflight import check_runtime_inputs
+    from nanotron_recover.launcher.preflight import check_runtime_inputs
 
     with pytest.raises(ConfigError, match="accumulate_grad_in_fp32: false is not supported with fault_tolerance"):
         check_runtime_inputs(_precision_config("bfloat16", ft=True, fp32_accumulation=False))
@@ -194,7 +194,7 @@ def test_bfloat16_without_fp32_accumulation_is_refused_with_fault_tolerance_only
 
 
 def test_float16_is_refused_before_launch():
-    from nanotron_recover.preflight import check_runtime_inputs
+    from nanotron_recover.launcher.preflight import check_runtime_inputs
 
     with pytest.raises(ConfigError, match="model.dtype: torch.float16 is not supported"):
         check_runtime_inputs(_precision_config("float16", ft=False))
@@ -276,7 +276,7 @@ def test_invalid_rebalancing_names_the_key(ft, key):
 def test_a_relaunch_on_fewer_replicas_drops_the_full_size_replica_weights():
     """``--replicas R`` (a relaunch on the nodes left) with ``replica_weights`` for the full-size job: the weights
     go (quotas follow measured speeds) instead of the relaunch being refused as bad input, never requeued."""
-    from nanotron_recover.overrides import apply_replicas
+    from nanotron_recover.launcher.overrides import apply_replicas
 
     raw = copy.deepcopy(stock_dict())
     raw["parallelism"]["dp"] = 4

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON
-from nanotron_recover.run_folder import latest_checkpoint_step, read_exits, read_metrics_jsonl
-from nanotron_recover.runs import run_training
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON
+from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics_jsonl
 from tests.conftest import make_tiny_config
 
 pytestmark = pytest.mark.slow

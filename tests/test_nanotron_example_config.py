@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nanotron_recover.runs import final_checkpoint, run_training
+from nanotron_recover.launcher.runs import final_checkpoint, run_training
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nanotron_v0.4_tiny_llama.yaml"
 TIMEOUT_S = 600

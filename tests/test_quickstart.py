@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nanotron_recover.metrics import find_wandb_run_files
-from nanotron_recover.run_folder import read_logged_step, read_metrics
+from nanotron_recover.run.run_folder import read_logged_step, read_metrics
+from nanotron_recover.training.metrics import find_wandb_run_files
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900

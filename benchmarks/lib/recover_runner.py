@@ -3,7 +3,7 @@ outside, for ``benchmarks/vs_torchft.py``.
 
 Each launch is ``nanotron-recover train --config-file C --run-dir D`` (the console script a user runs; it starts
 ``mpirun --with-ft ulfm``). While it runs, :class:`FaultDriver` SIGKILLs rank processes by pid (found with
-``nanotron_recover.runs.rank_pids``). When the launcher exits 3 (the restart outcome: no replica left) and
+``nanotron_recover.launcher.runs.rank_pids``). When the launcher exits 3 (the restart outcome: no replica left) and
 ``relaunch`` is set, the same command runs again in the same run dir, as a user's restart loop would; the job
 resumes from its node-local snapshot of the last committed step. Steps are read from ``metrics.jsonl``.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.lib.outside_faults import Fault, FaultDriver, pid_alive
 from benchmarks.lib.side_by_side import SystemRun
-from nanotron_recover.runs import final_checkpoint, kill_run_processes, rank_pids, write_config
+from nanotron_recover.launcher.runs import final_checkpoint, kill_run_processes, rank_pids, write_config
 
 EXIT_RESTART = 3  # the launcher's documented exit code for "relaunch me" (README, Slurm)
 
@@ -28,7 +28,7 @@ EXIT_RESTART = 3  # the launcher's documented exit code for "relaunch me" (READM
 def launcher_command(config_path: Path, run_dir: Path) -> list[str]:
     """The user's command: the ``nanotron-recover`` console script next to this Python."""
     script = Path(sys.executable).parent / "nanotron-recover"
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "nanotron_recover.launch"]
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "nanotron_recover.launcher.launch"]
     return [*head, "train", "--config-file", str(config_path), "--run-dir", str(run_dir)]
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from benchmarks.lib.config import n_processes
-from nanotron_recover.run_folder import read_kills, resumed_from
-from nanotron_recover.runs import run_training
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.run.run_folder import read_kills, resumed_from
 
 
 @dataclass
@@ -66,8 +66,8 @@ class Attempt:
 
 
 def launch(config: dict, run_dir: Path, *, timeout_s: float = 900) -> Attempt:
-    """One job through the real launcher (``nanotron_recover.runs.run_training`` -> ``nanotron-recover train``),
-    on synthetic data; returns its timeline. ``TimeoutError`` (job group killed) after ``timeout_s``."""
+    """One job through the real launcher (``nanotron_recover.launcher.runs.run_training`` -> ``nanotron-recover
+    train``), on synthetic data; returns its timeline. ``TimeoutError`` (job group killed) after ``timeout_s``."""
     run_dir = Path(run_dir).resolve()
     load0 = os.getloadavg()[0]
     t0 = time.time()

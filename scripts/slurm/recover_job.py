@@ -34,16 +34,17 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from nanotron_recover.launcher.mpirun import replica_placement, slurm_tasks_per_node
+
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT
-from nanotron_recover.mpirun import replica_placement, slurm_tasks_per_node
-from nanotron_recover.run_folder import OUTCOME_EXIT_CODES, begin_launch, judge_launch
+from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT
+from nanotron_recover.run.run_folder import OUTCOME_EXIT_CODES, begin_launch, judge_launch
 
 
 def _load_config(argv: Sequence[str], command: str):
     """(the trainer's options, the effective config) as the ranks will see them, or None after the error."""
     from nanotron_recover.config import ConfigError
-    from nanotron_recover.overrides import add_override_args, load_effective_config
+    from nanotron_recover.launcher.overrides import add_override_args, load_effective_config
 
     parser = argparse.ArgumentParser(prog=f"recover_job.py {command}")
     add_override_args(parser)
@@ -83,7 +84,7 @@ def _info(argv: Sequence[str]) -> int:
 
 def _begin(argv: Sequence[str]) -> int:
     """Before each mpirun: the run folder's launch record (the previous launch's exit records move aside)."""
-    from nanotron_recover.launch import launch_record
+    from nanotron_recover.launcher.launch import launch_record
 
     loaded = _load_config(argv, "begin")
     if loaded is None:

@@ -20,7 +20,7 @@ import yaml
 from nanotron.config import Config, DataArgs, LlamaConfig, PretrainDatasetsArgs, get_config_from_dict
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-from nanotron_recover.inject import FailureSpec
+from nanotron_recover.process.inject import FailureSpec
 
 REPLICA_3D = "3d"
 REPLICA_FSDP = "fsdp"
@@ -48,7 +48,7 @@ class FaultToleranceArgs:
         keep_global_batch: True (ReCoVer): every step commits all M microbatches. False: the shrinking-batch
             baseline (torchft-style): a failed replica's microbatches are dropped, the batch shrinks.
         inject: a deterministic fault schedule (tests, benchmarks): real SIGKILL / SIGSTOP / a hung main thread,
-            see :class:`nanotron_recover.inject.FailureSpec`.
+            see :class:`nanotron_recover.process.inject.FailureSpec`.
         hang_monitor: the heartbeat thread behind ``hang_timeout_s`` (on by default). False only to measure what it
             costs (``benchmarks/overhead.py --breakdown``): a frozen rank then blocks the job until
             ``collective_timeout_s`` or for ever.
@@ -68,10 +68,10 @@ class FaultToleranceArgs:
         fsdp_shard_size: ranks per replica in ``fsdp`` mode (F); world = (dp + spare_replicas) x F.
         local_snapshot_interval: every this many committed steps each rank writes its state to node-local
             memory-backed storage, so that a relaunch (node loss, too few replicas) continues from the newest
-            committed step instead of the last disk checkpoint (:mod:`nanotron_recover.recovery.local_snapshot`).
+            committed step instead of the last disk checkpoint (:mod:`nanotron_recover.snapshots.local_snapshot`).
             0 turns it off. ``auto`` (default): every step until a write was measured, then Young's rule from the
             measured write cost, step time and ``relaunch_mtbf_h``, at most ``local_snapshot_max_interval``
-            (:mod:`nanotron_recover.recovery.snapshot_schedule`).
+            (:mod:`nanotron_recover.snapshots.schedule`).
         local_snapshot_max_interval: with ``auto``, the most committed steps between two snapshots: the most steps
             a relaunch recomputes.
         relaunch_mtbf_h: with ``auto``, the expected hours between faults that end the job (a lost node): the
@@ -112,8 +112,9 @@ class FaultToleranceArgs:
             waiting rank leaves the CPU to the ranks it waits for. ``auto`` (default): ``poll`` when the node holds
             more ranks than cores, else ``block`` (:mod:`nanotron_recover.ft.waiting`).
         stop_grace_s: after a stop signal (SIGTERM, SIGINT or SIGUSR1 to the launcher or to the ranks), the job has
-            this long to commit the step in flight, snapshot it and exit 3 (:mod:`nanotron_recover.stop_request`);
-            then the launcher ends it at once. Keep it below the scheduler's grace (Slurm: ``KillWait``, 30 s).
+            this long to commit the step in flight, snapshot it and exit 3
+            (:mod:`nanotron_recover.process.stop_request`); then the launcher ends it at once. Keep it below the
+            scheduler's grace (Slurm: ``KillWait``, 30 s).
         checkpoint_on_stop: also write a disk checkpoint of the last step at a graceful stop (the node-local
             snapshot is written either way; with ``local_snapshot_interval: 0`` the checkpoint is written instead).
     """

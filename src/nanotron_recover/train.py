@@ -1,7 +1,7 @@
 """Per-rank entry point: ``mpirun ... python -m nanotron_recover.train --config-file X --run-dir D``.
 
 Arm the start-up guard (before torch or MPI is imported), parse the config, build the data-parallel path (ReCoVer
-over ULFM, or stock nanotron), train, close. Exit codes (:mod:`nanotron_recover.exit_codes`): 0 done (also for a
+over ULFM, or stock nanotron), train, close. Exit codes (:mod:`nanotron_recover.run.exit_codes`): 0 done (also for a
 rank whose replica was evicted), 2 a person must act (bad input, damaged state with no intact fallback, a full
 disk, a non-finite step), 3 not finished, relaunch to resume: fewer live replicas than
 ``fault_tolerance.min_replicas`` (a checkpoint was saved), a fault during start-up, or a hang no kill could end.
@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
-from nanotron_recover.overrides import add_override_args
-from nanotron_recover.run_folder import record_exit
-from nanotron_recover.startup_guard import StartupGuard, arm_startup_guard
-from nanotron_recover.stop_request import STOP
+from nanotron_recover.launcher.overrides import add_override_args
+from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard
+from nanotron_recover.process.stop_request import STOP
+from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
+from nanotron_recover.run.run_folder import record_exit
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
 
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     STOP.install()  # a stop signal from now on ends the job at a step boundary (stop_request.py)
 
     from nanotron_recover.config import ConfigError
-    from nanotron_recover.overrides import load_effective_config
+    from nanotron_recover.launcher.overrides import load_effective_config
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -56,9 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
     import torch.distributed as torch_dist
 
-    from nanotron_recover.stock import StockDataParallel
-    from nanotron_recover.trainer import RecoverTrainer
-    from nanotron_recover.world import init_stock_torch_world
+    from nanotron_recover.training.stock import StockDataParallel
+    from nanotron_recover.training.torch_world import init_stock_torch_world
+    from nanotron_recover.training.trainer import RecoverTrainer
 
     STOP.uninstall()  # stock nanotron ends on a signal: the checkpoint-restart baseline keeps doing so
     init_stock_torch_world(timeout_s)
@@ -83,7 +83,7 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
     if guard is not None:
         guard.injector.maybe_fail(0, "startup:after_mpi_init")
     from nanotron_recover.recovery.lifecycle import run_resilient
-    from nanotron_recover.trainer import RecoverTrainer
+    from nanotron_recover.training.trainer import RecoverTrainer
 
     if config.sharded_replicas:
         from nanotron_recover.hsdp.strategy import ShardedReplicaDataParallel as Strategy

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron_recover.launch import LAUNCH_RETRIES, launch_failure
-from nanotron_recover.mpirun import mpirun_command
-from nanotron_recover.run_folder import read_kills
+from nanotron_recover.launcher.launch import LAUNCH_RETRIES, launch_failure
+from nanotron_recover.launcher.mpirun import mpirun_command
+from nanotron_recover.run.run_folder import read_kills
 
 WORKER = Path(__file__).with_name("worker.py")
 HARD_TIMEOUT_S = 90.0

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nanotron_recover.config import ConfigError, config_from_dict
-from nanotron_recover.devices import data_plane_backend, default_data_plane
 from nanotron_recover.ft.data_plane import MpiDataPlane, make_data_plane
-from nanotron_recover.runs import run_training
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.run.devices import data_plane_backend, default_data_plane
 
 TIMEOUT_S = 300
 TOL = 1e-5

@@ -20,7 +20,7 @@ from nanotron_recover.ft.hang_policy import (
     peers_of,
 )
 from nanotron_recover.ft.layout import ReplicaAssignment, ReplicaLayout
-from nanotron_recover.phases import Phase
+from nanotron_recover.run.phases import Phase
 
 
 @given(st.integers(1, 6), st.integers(1, 6))

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from nanotron_recover.ft.hang_policy import CHECK_INTERVAL_S, HEARTBEAT_PERIOD_S
-from nanotron_recover.run_folder import read_exits, read_kills
-from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.launcher.runs import RunResult, run_training
+from nanotron_recover.run.run_folder import read_exits, read_kills
 
 pytestmark = pytest.mark.slow
 
@@ -159,13 +159,13 @@ def test_a_rank_frozen_right_after_a_step_at_the_default_settings_is_survived_in
     import time
 
     from nanotron_recover.ft.hang_policy import CEILING_MARGIN_S
-    from nanotron_recover.run_folder import last_logged_step, record_external_fault
-    from nanotron_recover.runs import rank_pids, read_metrics, write_config
+    from nanotron_recover.launcher.runs import rank_pids, read_metrics, write_config
+    from nanotron_recover.run.run_folder import last_logged_step, record_external_fault
 
     config = tiny_config(dp=2, tp=2, pp=2, accumulation=2, steps=STEPS,
                          fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01})  # default timeouts
     path = write_config(config, tmp_path / "config.yaml")
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(path), "--run-dir",
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(path), "--run-dir",
            str(tmp_path), "--synthetic-data"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

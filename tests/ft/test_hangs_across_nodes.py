@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from nanotron_recover.run_folder import last_logged_step, read_exits, record_external_fault
-from nanotron_recover.runs import rank_processes, run_training
+from nanotron_recover.launcher.runs import rank_processes, run_training
+from nanotron_recover.run.run_folder import last_logged_step, read_exits, record_external_fault
 
 from .fake_nodes import fake_nodes_env
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanotron_recover.run_folder import read_exits
-from nanotron_recover.runs import run_training
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.run.run_folder import read_exits
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.run_folder import read_exits
-from nanotron_recover.runs import run_training
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.run.exit_codes import EXIT_RESTART
+from nanotron_recover.run.run_folder import read_exits
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_the_same_startup_failure_on_three_launches_stops_requeueing(tiny_config
     as a broken node would do it again) exits 3 twice, then 2: a requeue loop would burn the allocation."""
     import shutil
 
-    from nanotron_recover.exit_codes import EXIT_NEEDS_PERSON
+    from nanotron_recover.run.exit_codes import EXIT_NEEDS_PERSON
 
     inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": "after_mpi_init", "signal": "kill"}]
     config = startup_config(tiny_config, inject)

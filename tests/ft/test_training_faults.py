@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotron_recover.metrics import find_wandb_run_files
-from nanotron_recover.run_folder import read_exits, read_logged_step
-from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.launcher.runs import RunResult, run_training
+from nanotron_recover.run.run_folder import read_exits, read_logged_step
+from nanotron_recover.training.metrics import find_wandb_run_files
 
 STEPS = 6
 FAIL_STEP = 3

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from nanotron_recover.ft import FailureDetected, FTWorld, ReplicaEvicted
-from nanotron_recover.inject import FailureInjector
+from nanotron_recover.process.inject import FailureInjector
 
 
 def contribution(replica: int, local: int, step: int, bucket: int, n: int) -> np.ndarray:

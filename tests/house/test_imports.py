@@ -11,19 +11,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "nanotron_recover"
 # Each top-level module or package of nanotron_recover, bottom floor first. A unit may import units on its own
 # floor or below, never above; a new unit must be given a floor here.
 FLOORS: list[set[str]] = [
-    {"exit_codes", "devices", "phases", "job_shape", "procfs", "disk_space", "output_filter", "stop_request"},
-    # constants, phase names, device choices, the job shape, what /proc says of a process, a full disk named, the
-    # launcher's filter, the stop signals
-    {"run_folder"},  # the run folder's layout and every reader and writer of it
-    {"inject", "watchdog", "workload", "nanotron_compat", "world"},  # before MPI_Init; the pure planner
-    {"startup_guard", "ft", "config", "metrics", "sim", "training_state", "models", "engines", "data", "mpirun",
-     "report"},  # layer 1 (ft), the config, the simulator, the training state
-    {"checkpoint", "checkpoint_integrity", "checkpoint_resume", "memory"},
-    {"strategy"},  # the seam between the step loop and what crosses replicas
+    {"run"},  # the run folder, exit codes, job shape, devices, phase names, /proc, a full disk, the output filter
+    {"process", "workload", "nanotron_compat"},  # before MPI_Init (guard, watchdog, injector); the pure planner
+    {"ft", "models", "data", "sim", "report"},  # layer 1 (ft), the model, the data, the simulator, the report
+    {"config"},  # RecoverConfig and its fault_tolerance section
+    {"training"},  # the step loop, the seam, the stock path, buckets, checkpoints, metrics, the training state
+    {"snapshots"},  # node-local state snapshots and their schedule
     {"recovery"},  # layer 2 (uses layers 1 and 3)
-    {"hsdp", "stock", "preflight"},
-    {"trainer", "overrides", "runs"},
-    {"train", "launch", "mpirun_watch"},  # the entry points, the launcher's watch over its mpirun
+    {"hsdp"},
+    {"launcher"},  # the command line, mpirun, overrides, preflight, runs
+    {"train"},  # a rank's entry point
     {"testbed"},  # tools to try faults on one machine
 ]
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
@@ -110,11 +107,11 @@ def test_no_import_climbs_to_a_higher_floor() -> None:
 
 
 def test_the_check_sees_a_circle_and_a_climb() -> None:
-    graph = {"nanotron_recover.run_folder": {"nanotron_recover.launch"}, "nanotron_recover.launch":
-             {"nanotron_recover.run_folder"}}
-    assert _circles(graph) == [["nanotron_recover.launch", "nanotron_recover.run_folder"]]
-    assert FLOOR["run_folder"] < FLOOR["launch"]
+    graph = {"nanotron_recover.run.run_folder": {"nanotron_recover.launcher.launch"},
+             "nanotron_recover.launcher.launch": {"nanotron_recover.run.run_folder"}}
+    assert _circles(graph) == [["nanotron_recover.launcher.launch", "nanotron_recover.run.run_folder"]]
+    assert FLOOR[_unit("nanotron_recover.run.run_folder")] < FLOOR[_unit("nanotron_recover.launcher.launch")]
     real = _imports()
-    assert "nanotron_recover.run_folder" in real["nanotron_recover.launch"]  # the reader sees real imports
+    assert "nanotron_recover.run.run_folder" in real["nanotron_recover.launcher.launch"]  # the reader sees real imports
     assert "nanotron_recover.recovery.formation" in real["nanotron_recover.recovery.resilient"]  # relative ones too
     assert "nanotron_recover.ft.events" in real["nanotron_recover.ft.protocol"]

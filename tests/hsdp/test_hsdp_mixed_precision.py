@@ -12,7 +12,7 @@ import copy
 
 import pytest
 
-from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.launcher.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
 from tests.conftest import make_tiny_config
 
 STEPS = 12

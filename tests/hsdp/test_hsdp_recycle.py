@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.launcher.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
 from tests.hsdp.test_hsdp_training import SYNTHETIC, TIMEOUT_S, TOL, hsdp_config
 
 STEPS = 12

@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 
-from nanotron_recover.checkpoint import LATEST, STATE_FILE
-from nanotron_recover.run_folder import read_exits
-from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.launcher.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.run.run_folder import read_exits
+from nanotron_recover.training.checkpoint import LATEST, STATE_FILE
 from tests.conftest import make_tiny_config
 
 STEPS = 30

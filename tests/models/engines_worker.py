@@ -1,4 +1,4 @@
-"""Worker of tests/test_engines.py (4 ranks). Checks, each a max abs difference written by rank 0:
+"""Worker of tests/training/test_engines.py (4 ranks). Checks, each a max abs difference written by rank 0:
 
 PP2 x DP2 (stock layout, two pipelines):
 * ``onef1b_single_mb``: 1F1B on 1 microbatch (= pp-1) equals AFAB on it;
@@ -21,9 +21,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as torch_dist
 
-from nanotron_recover.engines import build_engine, place_microbatch
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.training.engines import build_engine, place_microbatch
 from tests.models import llama_harness as H
 
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as torch_dist
 from nanotron.config import LlamaConfig, ParallelismArgs
 
-from nanotron_recover import devices
-from nanotron_recover.launch import LAUNCH_RETRIES, launch_failure
-from nanotron_recover.mpirun import mpirun_command
+from nanotron_recover.launcher.launch import LAUNCH_RETRIES, launch_failure
+from nanotron_recover.launcher.mpirun import mpirun_command
+from nanotron_recover.run import devices
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: ``tests`` is importable from here
 MBS, SEQ, VOCAB = 2, 16, 256

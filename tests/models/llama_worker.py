@@ -18,10 +18,10 @@ import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from nanotron.parallel.parameters import NanotronParameter
 
-from nanotron_recover.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.models.llama import build_llama, canonical_names, init_weights
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
+from nanotron_recover.training.engines import build_engine, place_microbatch, summed_loss
 from tests.models import llama_harness as H
 
 STEPS, M, STD, SEED, LR = 3, 4, 0.02, 1234, 1e-3

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.run_folder import latest_checkpoint_step, read_exits, read_metrics, run_outcome
-from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.launcher.runs import run_training, write_config
+from nanotron_recover.run.exit_codes import EXIT_RESTART
+from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics, run_outcome
 from nanotron_recover.testbed.fake_nodes import kill_node, node_ranks, write_bed
 
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def _hangs(run_dir: Path) -> list[dict]:
 
 def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
                           after_step: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **bed_env}, start_new_session=True)
@@ -255,6 +255,6 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
 
 
 def _all_step_records(run_dir: Path) -> list[dict]:
-    from nanotron_recover.run_folder import read_metrics_jsonl
+    from nanotron_recover.run.run_folder import read_metrics_jsonl
 
     return [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]

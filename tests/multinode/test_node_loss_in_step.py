@@ -18,7 +18,7 @@ import os
 import pytest
 
 from benchmarks.node_loss_bench import STEPS, TIMEOUT_S, TOL, lose_a_node, reference_run, smoke
-from nanotron_recover.mpirun import RUNTIME_ENV, runtime_prefix
+from nanotron_recover.launcher.mpirun import RUNTIME_ENV, runtime_prefix
 
 
 def _runtime_missing() -> str | None:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover import launch
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
-from nanotron_recover.mpirun import hostfile_slots, replica_nodes, replica_placement, slurm_tasks_per_node
-from nanotron_recover.runs import write_config
+from nanotron_recover.launcher import launch
+from nanotron_recover.launcher.mpirun import hostfile_slots, replica_nodes, replica_placement, slurm_tasks_per_node
+from nanotron_recover.launcher.runs import write_config
+from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
 from nanotron_recover.testbed.fake_nodes import kill_node, node_pids, write_bed
 from nanotron_recover.testbed.fake_nodes import main as fake_nodes_main
 

@@ -30,15 +30,15 @@ from typing import Callable
 import pytest
 
 from nanotron_recover.config import config_from_dict
-from nanotron_recover.recovery.local_snapshot import (
+from nanotron_recover.launcher.runs import run_training, write_config
+from nanotron_recover.run.run_folder import read_metrics, run_id
+from nanotron_recover.snapshots.local_snapshot import (
     NODE_NAME_ENV,
     config_hash,
     payload_checksum,
     scan,
     snapshot_folder,
 )
-from nanotron_recover.run_folder import read_metrics, run_id
-from nanotron_recover.runs import run_training, write_config
 from nanotron_recover.testbed.fake_nodes import kill_node, write_bed
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 
@@ -66,7 +66,7 @@ def whole_steps(snaps, history: str | None = None) -> dict[tuple[str, int], dict
 def launch_and_lose_when(config_path: Path, run_dir: Path, bed: Path, node: str, ready: Callable[[], bool],
                          extra: list[str]) -> str:
     """Launch on a one-node ``bed``; once ``ready()``, lose ``node``. -> the output."""
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", *extra]
     env = {**os.environ, **write_bed(bed, [2])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -8,7 +8,7 @@ from nanotron.optim.named_optimizer import NamedOptimizer
 from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
 
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
-from nanotron_recover.recovery.buckets import GradBuckets
+from nanotron_recover.training.buckets import GradBuckets
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -14,7 +14,8 @@ def _python(code: str) -> None:
 
 
 def test_light_modules_import_neither_nanotron_nor_torch() -> None:
-    _python("import sys, nanotron_recover.exit_codes, nanotron_recover.metrics, nanotron_recover.runs\n"
+    _python("import sys, nanotron_recover.run.exit_codes, nanotron_recover.training.metrics, "
+            "nanotron_recover.launcher.runs\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('nanotron', 'torch', 'wandb'))\n"
             "assert not heavy, heavy")
 

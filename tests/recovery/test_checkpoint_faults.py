@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanotron_recover.checkpoint_integrity import read_state, verify_share
-from nanotron_recover.run_folder import read_exits
-from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.launcher.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.run.run_folder import read_exits
+from nanotron_recover.training.checkpoint_integrity import read_state, verify_share
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotron_recover.exit_codes import EXIT_RESTART
-from nanotron_recover.run_folder import latest_checkpoint_step, read_metrics
-from nanotron_recover.runs import run_training
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.run.exit_codes import EXIT_RESTART
+from nanotron_recover.run.run_folder import latest_checkpoint_step, read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,14 @@ import pytest
 import yaml
 
 from benchmarks import equivalence
-from nanotron_recover.run_folder import read_metrics
-from nanotron_recover.runs import RunResult, final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.launcher.runs import (
+    RunResult,
+    final_checkpoint,
+    max_loss_diff,
+    max_relative_param_diff,
+    run_training,
+)
+from nanotron_recover.run.run_folder import read_metrics
 from tests.conftest import make_tiny_config
 
 STEPS = 40

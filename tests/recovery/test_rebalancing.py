@@ -16,7 +16,7 @@ from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.errors import StragglerEvicted
 from nanotron_recover.recovery.rebalancing import STOP_REQUESTS, StepStats
 from nanotron_recover.recovery.resilient import ResilientDataParallel
-from nanotron_recover.strategy import LocalWork
+from nanotron_recover.training.seam import LocalWork
 from nanotron_recover.workload.planner import plan_step
 from nanotron_recover.workload.spares import ReplicaRoster
 from tests.conftest import make_tiny_config

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanotron_recover.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.launcher.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from nanotron_recover.config import config_from_dict
 from nanotron_recover.ft import FailureDetected, RepairEvent
 from nanotron_recover.ft.hang_policy import MainThreadProgress
 from nanotron_recover.recovery.resilient import BelowMinimumReplicas, ResilientDataParallel
-from nanotron_recover.strategy import LocalWork, StepServices
+from nanotron_recover.training.seam import LocalWork, StepServices
 from nanotron_recover.workload.planner import orphans_of, plan_step, replan_orphans
 from tests.conftest import make_tiny_config
 

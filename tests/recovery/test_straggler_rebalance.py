@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotron_recover.run_folder import read_exits
-from nanotron_recover.runs import RunResult, run_training
+from nanotron_recover.launcher.runs import RunResult, run_training
+from nanotron_recover.run.run_folder import read_exits
 from tests.conftest import make_tiny_config
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ from unittest import mock
 
 import yaml
 
-from nanotron_recover import run_folder
-from nanotron_recover.metrics import MetricsLogger
+from nanotron_recover.run import run_folder
+from nanotron_recover.training.metrics import MetricsLogger
 
 
 class FakeRun:

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from nanotron_recover import run_folder
-from nanotron_recover.metrics import MetricsLogger
 from nanotron_recover.report.cli import load_timeline
 from nanotron_recover.report.records import ReportError, read_run_records
 from nanotron_recover.report.summary import format_summary, summarize
+from nanotron_recover.run import run_folder
+from nanotron_recover.training.metrics import MetricsLogger
 from tests.report.fake_run import FakeRun
 
 

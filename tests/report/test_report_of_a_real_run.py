@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover.exit_codes import EXIT_RESTART
+from nanotron_recover.launcher.runs import run_training
 from nanotron_recover.report.cli import add_report_arguments, load_timeline, run_report
 from nanotron_recover.report.summary import summarize
-from nanotron_recover.run_folder import read_kills, read_metrics, read_metrics_jsonl
-from nanotron_recover.runs import run_training
+from nanotron_recover.run.exit_codes import EXIT_RESTART
+from nanotron_recover.run.run_folder import read_kills, read_metrics, read_metrics_jsonl
 from tests.conftest import make_tiny_config
 
 pytestmark = pytest.mark.slow

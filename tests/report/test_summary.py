@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from nanotron_recover import run_folder
 from nanotron_recover.report.cli import load_timeline
 from nanotron_recover.report.summary import (
     LOST_BETWEEN,
@@ -17,6 +16,7 @@ from nanotron_recover.report.summary import (
     format_summary,
     summarize,
 )
+from nanotron_recover.run import run_folder
 from tests.report.fake_run import FakeRun
 
 

@@ -59,7 +59,7 @@ def test_events_without_a_step_are_placed_by_their_time(tmp_path):
 def test_a_job_torn_down_with_its_node_then_relaunched_on_fewer_replicas(tmp_path):
     """What the fake-node bed's lost-node runs leave: launch 1 (3 replicas) ends with no stopped event and its last
     line cut short; the relaunch on 2 replicas (``--replicas 2``, M kept) resumes from a checkpoint of step 3."""
-    from nanotron_recover import run_folder
+    from nanotron_recover.run import run_folder
 
     run = FakeRun(tmp_path, m=6, live=3)
     for step in (1, 2, 3, 4, 5):

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from nanotron_recover.launch import main as launch_main
+from nanotron_recover.launcher.launch import main as launch_main
 from nanotron_recover.sim.plan import main
 
 RESULTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "headline.json"

@@ -28,8 +28,8 @@ from typing import Iterator
 
 import pytest
 
-from nanotron_recover.run_folder import read_metrics, read_metrics_jsonl, resumed_from
-from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.launcher.runs import run_training, write_config
+from nanotron_recover.run.run_folder import read_metrics, read_metrics_jsonl, resumed_from
 from tests.conftest import make_tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,7 +191,7 @@ def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path: Pat
     run_dir = tmp_path / "run"
     config_path = write_config(config, run_dir / "config.yaml")
     ckpts = run_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "nanotron_recover.launch", "train", "--config-file", str(config_path),
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data"]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)

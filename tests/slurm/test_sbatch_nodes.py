@@ -21,8 +21,8 @@ from typing import Iterator
 
 import pytest
 
-from nanotron_recover.run_folder import read_metrics, read_metrics_jsonl
-from nanotron_recover.runs import run_training, write_config
+from nanotron_recover.launcher.runs import run_training, write_config
+from nanotron_recover.run.run_folder import read_metrics, read_metrics_jsonl
 from nanotron_recover.testbed.fake_nodes import kill_processes, process_tree
 from tests.conftest import make_tiny_config
 from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, needs_slurm

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanotron_recover.devices import data_plane_backend, default_data_plane
+from nanotron_recover.run.devices import data_plane_backend, default_data_plane
 
 if TYPE_CHECKING:
     from .world import FTWorld
@@ -40,7 +40,7 @@ _CLOSE_GRACE_S = 5.0  # beyond the group's own timeout, after which its pending 
 
 
 class StagedBuckets(Protocol):
-    """What a data plane needs of the flat gradient buckets (:class:`nanotron_recover.recovery.buckets.GradBuckets`)."""
+    """What a data plane needs of the flat gradient buckets (:class:`nanotron_recover.training.buckets.GradBuckets`)."""
 
     def view(self, i: int) -> torch.Tensor: ...
 
@@ -188,7 +188,7 @@ class TorchDataPlane:
 
 
 def make_data_plane(kind: str, ft: Any, device: torch.device, timeout_s: float) -> MpiDataPlane | TorchDataPlane:
-    """The plane that ``fault_tolerance.data_plane`` names (``auto``: :func:`~nanotron_recover.devices.
+    """The plane that ``fault_tolerance.data_plane`` names (``auto``: :func:`~nanotron_recover.run.devices.
     default_data_plane`)."""
     kind = default_data_plane(torch.device(device)) if kind == "auto" else kind
     if kind == "mpi":

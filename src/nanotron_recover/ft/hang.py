@@ -50,8 +50,8 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..phases import HEARTBEAT_ORDER, Phase
-from ..procfs import process_is_gone
+from ..run.phases import HEARTBEAT_ORDER, Phase
+from ..run.procfs import process_is_gone
 from .hang_policy import (
     BUSY,
     CHECK_INTERVAL_S,

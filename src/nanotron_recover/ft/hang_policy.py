@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..phases import SLOW_IO_PHASES, Phase
+from ..run.phases import SLOW_IO_PHASES, Phase
 from .layout import ReplicaAssignment, ReplicaLayout
 
 HEARTBEAT_PERIOD_S = 1.0

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanotron_recover.training_state import ensure_adam_state, local_tensor
+from nanotron_recover.training.training_state import ensure_adam_state, local_tensor
 
 if TYPE_CHECKING:
-    from nanotron_recover.training_state import TrainingState
+    from nanotron_recover.training.training_state import TrainingState
 
 FORMAT = "nanotron-recover-hsdp"
 VERSION = 1

@@ -15,7 +15,7 @@ import torch.distributed as torch_dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from nanotron_recover import devices
+from nanotron_recover.run import devices
 
 
 def shard_replica_model(

@@ -19,8 +19,8 @@ from nanotron_recover.hsdp.checkpoint import ShardedLayout
 from nanotron_recover.hsdp.sharding import clip_sharded_grad_, local_rows, shard_replica_model
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.resilient import ResilientDataParallel
-from nanotron_recover.strategy import AttachedModel
-from nanotron_recover.training_state import TrainingState
+from nanotron_recover.training.seam import AttachedModel
+from nanotron_recover.training.training_state import TrainingState
 
 
 class ShardedReplicaDataParallel(ResilientDataParallel):

@@ -17,7 +17,7 @@ from nanotron import distributed as dist
 from nanotron.optim.clip_grads import clip_grad_norm as nanotron_clip_grad_norm
 from nanotron.optim.gradient_accumulator import GradientAccumulator
 
-from nanotron_recover import devices
+from nanotron_recover.run import devices
 
 _NORM_EPS = 1.0e-6  # nanotron's
 

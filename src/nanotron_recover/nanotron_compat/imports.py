@@ -10,7 +10,7 @@ real class. Every other nanotron module then imports normally. This is the only 
 It runs once, when nanotron is first imported: ``import nanotron_recover`` installs :func:`install_import_hook`,
 a ``sys.meta_path`` finder that lets the top-level ``nanotron`` package load as usual and runs
 :func:`ensure_nanotron_importable` right after it, before any ``nanotron.<module>`` is looked up. So no module
-needs a side-effect import before its nanotron imports, and a light tool (``nanotron_recover.exit_codes``,
+needs a side-effect import before its nanotron imports, and a light tool (``nanotron_recover.run.exit_codes``,
 ``.metrics``) pays nothing: nanotron, and torch with it, load only for code that imports them.
 """
 

@@ -24,7 +24,7 @@ import torch.distributed as torch_dist
 from nanotron import distributed as dist
 from nanotron.parallel.context import ParallelContext
 
-from nanotron_recover import devices
+from nanotron_recover.run import devices
 
 DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 

@@ -11,7 +11,7 @@ import nanotron.serialize.optimizer as _optimizer_module
 from nanotron import distributed as dist
 from nanotron.sanity_checks import assert_tensor_synced_across_pg
 
-from nanotron_recover import devices
+from nanotron_recover.run import devices
 
 
 def check_optim_state_in_sync(optimizer, pg: dist.ProcessGroup) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanotron_recover.exit_codes import EXIT_RESTART
+from nanotron_recover.run.exit_codes import EXIT_RESTART
 
 EXIT_BELOW_MIN_REPLICAS = EXIT_RESTART
 

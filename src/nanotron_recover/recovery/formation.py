@@ -19,12 +19,12 @@ import torch.distributed as torch_dist
 from nanotron_recover.ft import FailureDetected, RepairEvent
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
 from nanotron_recover.nanotron_compat.process_groups import forget_process_groups
-from nanotron_recover.phases import Phase
 from nanotron_recover.recovery.errors import BelowMinimumReplicas
-from nanotron_recover.strategy import StepServices
-from nanotron_recover.training_state import TrainingState
+from nanotron_recover.run.phases import Phase
+from nanotron_recover.training.seam import StepServices
+from nanotron_recover.training.torch_world import init_replica_torch_world
+from nanotron_recover.training.training_state import TrainingState
 from nanotron_recover.workload.recycle import Formation
-from nanotron_recover.world import init_replica_torch_world
 
 
 class ReplicaFormation:

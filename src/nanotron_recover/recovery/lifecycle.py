@@ -15,14 +15,14 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from nanotron_recover import run_folder
-from nanotron_recover.disk_space import full_disk_line, is_disk_full, written_path
-from nanotron_recover.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART, NeedsPerson
 from nanotron_recover.ft import FailureDetected, ReplicaEvicted
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
+from nanotron_recover.process.stop_request import StopRequested
+from nanotron_recover.process.watchdog import arm_exit_deadline, end_job
 from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas, StragglerEvicted
-from nanotron_recover.stop_request import StopRequested
-from nanotron_recover.watchdog import arm_exit_deadline, end_job
+from nanotron_recover.run import run_folder
+from nanotron_recover.run.disk_space import full_disk_line, is_disk_full, written_path
+from nanotron_recover.run.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART, NeedsPerson
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig

@@ -11,9 +11,10 @@ reduction that failed may have completed on some ranks only.
 One entry counts the ranks whose reduced gradient holds a NaN or an infinity; with the loss sum (NaN or infinite
 when any microbatch's loss was) it tells every rank, spares included, in the same step that the step must not be
 committed (:meth:`StepStats.nonfinite`). The entry before it counts the ranks that received a stop signal
-(:mod:`nanotron_recover.stop_request`): the step it is seen in is the job's last (:meth:`StepStats.stop_reason`).
+(:mod:`nanotron_recover.process.stop_request`): the step it is seen in is the job's last
+(:meth:`StepStats.stop_reason`).
 
-Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.recovery.snapshot_schedule`): each rank's
+Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.snapshots.schedule`): each rank's
 cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
 contributors, still an exact sum), with how many ranks contributed each.
 """
@@ -26,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.process.stop_request import STOP, stop_reason
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.stop_request import STOP, stop_reason
-from nanotron_recover.strategy import LocalWork
+from nanotron_recover.training.seam import LocalWork
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
 
@@ -68,7 +69,7 @@ class StepStats:
         are counted once per replica), ``slot`` the slot its replica holds; ``snapshot_cost_s`` and ``step_s``
         its last measured snapshot write and step (None: none measured yet); ``grads_finite``: whether its reduced
         gradient is free of NaN and infinity; ``stop``: whether it received a stop signal (None: this process's
-        :data:`~nanotron_recover.stop_request.STOP`)."""
+        :data:`~nanotron_recover.process.stop_request.STOP`)."""
         self.stats[:] = 0.0
         self.stats[LOSS] = loss
         self.stats[NONFINITE_GRADS] = 0.0 if grads_finite else 1.0

@@ -26,16 +26,16 @@ from mpi4py import MPI
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent, ReplicaWorld, make_data_plane
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
-from nanotron_recover.phases import Phase
-from nanotron_recover.recovery.buckets import GradBuckets
 from nanotron_recover.recovery.errors import BelowMinimumReplicas
 from nanotron_recover.recovery.formation import ReplicaFormation
 from nanotron_recover.recovery.lifecycle import ProcessLifecycle
-from nanotron_recover.recovery.local_snapshot import LocalSnapshots
 from nanotron_recover.recovery.rebalancing import StepStats
-from nanotron_recover.recovery.snapshot_schedule import SnapshotSchedule
 from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
-from nanotron_recover.strategy import (
+from nanotron_recover.run.phases import Phase
+from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
+from nanotron_recover.snapshots.schedule import SnapshotSchedule
+from nanotron_recover.training.buckets import GradBuckets
+from nanotron_recover.training.seam import (
     AttachedModel,
     CheckpointWriter,
     CommittedStep,
@@ -43,18 +43,18 @@ from nanotron_recover.strategy import (
     LocalWork,
     StepServices,
 )
-from nanotron_recover.training_state import TrainingState, fp32_accumulator
+from nanotron_recover.training.torch_world import init_replica_torch_world
+from nanotron_recover.training.training_state import TrainingState, fp32_accumulator
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.recycle import RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
-from nanotron_recover.world import init_replica_torch_world
 
 REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
 
 
 class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStrategy):
-    """``end_job(reason)`` ends the whole job with the restart outcome (:func:`nanotron_recover.watchdog.end_job`);
-    it is called when a rank dies during start-up and when a hang cannot be ended by killing a rank.
+    """``end_job(reason)`` ends the job with the restart outcome (:func:`nanotron_recover.process.watchdog.end_job`)
+    when a rank dies during start-up and when a hang cannot be ended by killing a rank.
 
     ``ft`` and ``parallel_context`` are built here (the ULFM world over ``MPI.COMM_WORLD``, then the replica's
     torch world) unless given: tests of the step logic pass an in-memory world (the interface:

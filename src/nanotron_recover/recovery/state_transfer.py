@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from nanotron_recover.devices import needs_host_staging
 from nanotron_recover.ft.protocol import ReplicaWorld
-from nanotron_recover.training_state import TrainingState, ensure_adam_state, local_tensor, state_tensors
+from nanotron_recover.run.devices import needs_host_staging
+from nanotron_recover.training.training_state import TrainingState, ensure_adam_state, local_tensor, state_tensors
 
 
 def copy_state_to_new_replicas(ft: ReplicaWorld, state: TrainingState, donor: int, new: set[int],

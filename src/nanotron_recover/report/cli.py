@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from nanotron_recover.exit_codes import EXIT_BAD_INPUT, EXIT_DONE
 from nanotron_recover.report.records import ReportError, read_run_records
 from nanotron_recover.report.summary import format_summary, summarize
 from nanotron_recover.report.timeline import RunTimeline, build_timeline
+from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE
 
 DEFAULT_FIGURE = "report.png"
 FIGURE_SUFFIXES = (".png", ".html", ".htm")

@@ -1,10 +1,10 @@
 """Everything the report reads from a run folder, read once and kept with what could not be read.
 
-The layout and the readers are :mod:`nanotron_recover.run_folder`'s; the readers here are the few the report
+The layout and the readers are :mod:`nanotron_recover.run.run_folder`'s; the readers here are the few the report
 needs beyond them, because the report must *say* what it skipped where ``run_folder`` skips it silently (a line of
 ``metrics.jsonl`` cut short by a SIGKILL, an unreadable marker) and because the run's size (M, ``train_steps``)
 is not in the run folder's own records: it comes from the config (``config.yaml`` in the run dir, which
-:func:`nanotron_recover.runs.run_training` writes, or ``--config-file``) or from the newest checkpoint.
+:func:`nanotron_recover.launcher.runs.run_training` writes, or ``--config-file``) or from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from typing import Any
 
 import yaml
 
-from nanotron_recover import run_folder
+from nanotron_recover.run import run_folder
 
-CONFIG_FILE = "config.yaml"  # written into the run dir by nanotron_recover.runs.run_training (not by the launcher)
-CHECKPOINT_STATE_FILE = "trainer_state.json"  # nanotron_recover.checkpoint.STATE_FILE (holds microbatches_per_step)
+# written into the run dir by nanotron_recover.launcher.runs.run_training (not by the launcher)
+CONFIG_FILE = "config.yaml"
+# nanotron_recover.training.checkpoint.STATE_FILE (holds microbatches_per_step)
+CHECKPOINT_STATE_FILE = "trainer_state.json"
 
 
 class ReportError(Exception):

@@ -129,8 +129,8 @@ def _sample_run(d: Path, out: _RunSamples, cal: Calibration) -> bool:
     """Add one run folder's measurements to ``out`` (False: it logged no step)."""
     import yaml
 
-    from nanotron_recover.job_shape import ranks_per_replica
-    from nanotron_recover.run_folder import read_kills, read_metrics
+    from nanotron_recover.run.job_shape import ranks_per_replica
+    from nanotron_recover.run.run_folder import read_kills, read_metrics
 
     steps, events = read_metrics(d)
     if not steps:

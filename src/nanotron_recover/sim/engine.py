@@ -3,7 +3,8 @@
 Between two events nothing changes, so progress is continuous: while the job trains, steps advance at
 ``1 / step_s`` and tokens at ``tokens_per_step / step_s``. Events: a failure (drawn per GPU and per node in wall
 time, or scheduled at a step), a periodic checkpoint due, the end of a stall (in-step recovery, a checkpoint
-save, a teardown, a restart), a replica rejoining, the target step, the horizon. That keeps a month at 131k GPUs
+save, a teardown, a restart), a replica rejoining, the target step, the horizon; with regrow (issue #40), a lost
+slot's replacement arriving and the step boundary a regrow was decided for. That keeps a month at 131k GPUs
 to a few thousand events.
 
 Accounting (:class:`SimResult`): useful tokens (tokens of steps that stay in the final trajectory: work lost to
@@ -24,6 +25,7 @@ from typing import Iterable, Sequence
 from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.params import Params
 from nanotron_recover.sim.policies import Policy
+from nanotron_recover.sim.regrow import RegrowDecision, decide
 
 __all__ = ["ScheduledFailure", "SimResult", "simulate", "ideal_tokens_per_gpu_s"]
 
@@ -55,6 +57,9 @@ class SimResult:
     requeues: int = 0  # planned checkpoint + relaunch below min_replicas
     spares_used: int = 0
     formations: int = 0  # replicas formed from recycled ranks
+    regrows: int = 0  # relaunches at full width (issue #40)
+    regrow_declined: int = 0  # decisions that a relaunch would not pay ("not yet")
+    decisions: list[RegrowDecision] = field(default_factory=list)  # every regrow decision, with its numbers
     stall_s: float = 0.0  # wall time the job spent not training (startup excluded)
     ideal_tokens_per_gpu_s: float = 0.0
     failure_free_tokens_per_s: float = 0.0  # this policy's own rate without failures (its checkpoints included)
@@ -109,6 +114,8 @@ class _Run:
         self.failed_slots: dict[int, float] = {}  # slot -> when its hardware is repaired (never back in this job)
         self.generation = 0
         self.rejoins: list[tuple[float, int, int]] = []  # (time, generation, slot)
+        self.replacements: list[float] = []  # regrow: when a lost slot's replacement is in the allocation
+        self.regrow_at = math.inf  # regrow decided: the step boundary it ends at
         self.pending: deque[list] = deque()  # [kind, remaining_s, processes]
         self.phase = "run"
         self.done = False
@@ -123,10 +130,12 @@ class _Run:
         self.next_fail = self.t + rng.expovariate(rate) if rate > 0 else math.inf
 
     # -- layout
-    def _full_job(self) -> None:
-        """A (re)launched job: every slot not lost for good (replacement) or only the healthy ones."""
-        if self.p.replacement:
+    def _full_job(self, regrow: bool = False) -> None:
+        """A (re)launched job: every slot not lost for good (replacement) or only the healthy ones; a regrow stays
+        in its allocation: slots whose replacement has not arrived stay out."""
+        if self.p.replacement and not regrow:
             self.failed_slots = {}
+        self.regrow_at = math.inf
         self.failed_slots = {s: t for s, t in self.failed_slots.items() if t > self.t + _EPS}  # repaired: usable
         usable = [s for s in range(self.c.slots) if s not in self.failed_slots]
         n_spares = min(self.pol.spare_replicas, max(0, len(usable) - 1))
@@ -197,6 +206,8 @@ class _Run:
         elif kind in ("restart", "startup"):
             if kind == "restart":
                 self._full_job()
+        elif kind == "regrow":
+            self._full_job(regrow=True)
         elif kind == "exit":
             self.done = True
         if not self.pending and not self.done:
@@ -226,6 +237,10 @@ class _Run:
 
     def _lose(self, slot: int) -> None:
         self.failed_slots[slot] = self.t + self.p.hw_repair_hours * 3600.0
+        if self.pol.regrow != "off":
+            self.failed_slots[slot] = self.t + self.p.replacement_s()
+            if self.p.replacement_s() > 0:
+                heapq.heappush(self.replacements, self.failed_slots[slot])
 
     def _next_ckpt_after(self, progress: float) -> float:
         k = self.pol.checkpoint_interval
@@ -234,18 +249,22 @@ class _Run:
     def exit_s(self) -> float:
         return self.p.job_exit_s(self.job_procs(), self.pol.recover_path and self.res.failures > 0)
 
-    def _fail_in_restart(self) -> None:
+    def _fail_in_restart(self, slots: Sequence[int] = ()) -> None:
         """A failure while the job is going away (teardown, exit: nothing more) or coming back (the relaunch fails
-        too: another one, as ``failure_during_stall`` models it)."""
-        if self.pending[0][0] in ("restart", "startup"):
-            dur = self.p.restart_s(self.c.nodes, self.pending[0][2])
+        too: another one, as ``failure_during_stall`` models it; a regrow's leaves ``slots`` out)."""
+        if self.pending[0][0] == "regrow":
+            for s in slots:
+                self._lose(s)
+        if self.pending[0][0] in ("restart", "startup", "regrow"):
+            dur = self._relaunch_s() if self.pending[0][0] == "regrow" else self.p.restart_s(self.c.nodes,
+                                                                                              self.pending[0][2])
             if self.p.failure_during_stall == "reset":
                 self.pending[0][1] = dur
             else:
-                self.pending.insert(1, ["restart", dur, self.pending[0][2]])
+                self.pending.insert(1, [self.pending[0][0].replace("startup", "restart"), dur, self.pending[0][2]])
 
     def _in_restart(self) -> bool:
-        return self.phase != "run" and self.pending[0][0] in ("teardown", "restart", "startup", "exit")
+        return self.phase != "run" and self.pending[0][0] in ("teardown", "restart", "startup", "exit", "regrow")
 
     def fail_gpus(self, gpus: Iterable[int], node: bool) -> None:
         """These GPUs die: the replicas they compute in fail; pooled ones leave the pool (one more repair)."""
@@ -276,7 +295,7 @@ class _Run:
         self.res.failures += 1
         self.res.node_failures += int(node)
         if self._in_restart():
-            self._fail_in_restart()
+            self._fail_in_restart(slots)
             return
         dead_procs = self.c.gpus_per_node if node else len(slots)
         if not self.pol.in_place or (node and self.pol.node_loss_ends_job):
@@ -324,6 +343,34 @@ class _Run:
         stall += self._form_from_pool()
         self._push("stall", stall, self.job_procs())
         self._event(f"in-place ({len(lost_active)} replica(s) left, {len(self.active)} active)")
+        if lost_active:
+            self.consider_regrow()
+
+    # -- regrow (issue #40)
+    def _regrow_slots(self) -> int:
+        """Training replicas a relaunch now would have: the slots whose hardware is in the allocation."""
+        usable = sum(1 for s in range(self.c.slots) if self.failed_slots.get(s, 0.0) <= self.t + _EPS)
+        return max(1, usable - min(self.pol.spare_replicas, max(0, usable - 1)))
+
+    def _relaunch_s(self) -> float:
+        return self.p.relaunch_s(self.c.nodes, self._relaunch_procs(), warm=self.pol.regrow == "warm")
+
+    def consider_regrow(self) -> None:
+        """Replicas were lost or a replacement arrived: regrow at the next step boundary if a relaunch pays."""
+        if self.pol.regrow == "off" or self.done or self.regrow_at < math.inf or self._in_restart():
+            return
+        full = self._regrow_slots()
+        if full <= len(self.active):
+            return  # nothing to come back to
+        step_full = self.p.step_s(math.ceil(self.M / full) if self.pol.keep_m else self.p.accumulation,
+                                  full * self.c.ranks_per_replica, self.c.pp, recover=self.pol.recover_path)
+        d = decide(self.step_s(), step_full, self._relaunch_s(), self.p.regrow_horizon_s(self.c.job_gpus))
+        self.res.decisions.append(d)
+        if d.regrow:
+            self.regrow_at = math.floor(self.progress + _EPS) + 1.0
+        else:
+            self.res.regrow_declined += 1
+        self._event(d.describe())
 
     # -- recycling
     def _pool_survivors(self, slots: Iterable[int], dead: set[int]) -> None:
@@ -406,10 +453,12 @@ def _next_event(run: "_Run", horizon: float, target: float, sched: deque) -> tup
     cands: list[tuple[float, str]] = [(horizon, "horizon"), (run.next_fail, "fail")]
     if run.rejoins:
         cands.append((run.rejoins[0][0], "rejoin"))
+    if run.replacements:
+        cands.append((run.replacements[0], "replaced"))
     if run.phase == "run":
         step = run.step_s()
         for prog, what in ((target, "target"), (run.next_ckpt, "ckpt"),
-                           (sched[0].step if sched else math.inf, "sched")):
+                           (sched[0].step if sched else math.inf, "sched"), (run.regrow_at, "regrow")):
             if prog < math.inf:
                 cands.append((run.t + max(0.0, prog - run.progress) * step, what))
     else:
@@ -428,6 +477,14 @@ def _handle(run: "_Run", what: str, target: float, sched: deque, policy: Policy,
             run.active.add(slot)
     elif what == "phase":
         run._phase_done()
+    elif what == "replaced":
+        heapq.heappop(run.replacements)
+        run.consider_regrow()
+    elif what == "regrow":
+        run.progress, run.regrow_at = run.regrow_at, math.inf
+        run.res.regrows += 1
+        run._push("regrow", run._relaunch_s(), run._regrow_slots() * run.c.ranks_per_replica)
+        run._event("regrow: relaunch at full width")
     elif what == "target":
         run.progress = target
         run._push("exit", run.exit_s(), run.job_procs())

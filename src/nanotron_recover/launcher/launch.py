@@ -1,0 +1,325 @@
+"""The user command: ``nanotron-recover train --config-file X`` -> ``mpirun [--with-ft ulfm] ... train``.
+
+Everything that can be wrong with the input is reported here, before any rank starts. Module-level imports stay
+light (no torch, nanotron or mpi4py): each rank reads its options from here before its start-up guard is armed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import secrets
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from nanotron_recover.launcher.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
+from nanotron_recover.launcher.overrides import add_override_args, forwarded_args, load_effective_config
+from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
+from nanotron_recover.run.run_folder import (
+    LAUNCH_TOKEN_ENV,
+    NEEDS_PERSON,
+    OUTCOME_EXIT_CODES,
+    RunFolderBusy,
+    begin_launch,
+    exit_reasons,
+    hold_run_folder,
+    judge_launch,
+    ranks_wrote_since,
+)
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from nanotron_recover.config import RecoverConfig
+    from nanotron_recover.launcher.mpirun_watch import MpirunWatch
+    from nanotron_recover.process.stop_request import LauncherStop
+
+
+HOSTFILE_ENV = "NANOTRON_RECOVER_HOSTFILE"  # an Open MPI hostfile for the launch
+MPIRUN_ARGS_ENV = "NANOTRON_RECOVER_MPIRUN_ARGS"  # extra mpirun options, shell-quoted (as MPIRUN_ARGS in sbatch)
+# PRRTE's own start-up failures, before any rank runs (each seen once in a full suite run on a loaded 2-core machine,
+# exit status 213): the launch is repeated, up to LAUNCH_RETRIES times
+PRRTE_STARTUP_FAILURES = (
+    "The PMIx server's listener thread failed to start",
+    "A daemon failed to report back after being spawned",
+)
+LAUNCH_RETRIES = 2
+WATCH_EVERY_S = 0.5  # how often the launcher looks at a running mpirun
+LAUNCH_RETRY_PAUSE_S = 2.0
+OUTPUT_TAIL_BYTES = 16384
+
+
+def resolve_run_name(template: str | None) -> str:
+    """nanotron's ``general.run`` with ``%date`` and ``%jobid`` filled in (once, here, for every rank)."""
+    name = template or "%date_%jobid"
+    name = name.replace("%date", datetime.datetime.now().strftime("%Y%m%d_%H%M%S"))
+    return name.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
+
+
+def default_run_dir(config: "RecoverConfig") -> Path:
+    return Path("runs") / resolve_run_name(config.general.run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig", Path]:
+    config = load_effective_config(args)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    program = python_module_command("nanotron_recover.train", forwarded_args(args, run_dir))
+    env = {"PYTHONUNBUFFERED": "1", LAUNCH_TOKEN_ENV: secrets.token_hex(4)}
+    if not config.ft_enabled:
+        # stock layout: one torch world, rendezvous as torchrun would do it
+        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(_free_port()))
+    hostfile = os.environ.get(HOSTFILE_ENV)
+    slots = hostfile_slots(hostfile) if hostfile and Path(hostfile).is_file() else None
+    from nanotron_recover.launcher.preflight import check_local_snapshot_budget
+
+    check_local_snapshot_budget(config, min(config.world_size, max(slots[1])) if slots else config.world_size, run_dir)
+    extra = shlex.split(os.environ.get(MPIRUN_ARGS_ENV, ""))
+    cmd = mpirun_command(config.world_size, program, ulfm=config.ft_enabled, env=env, hostfile=hostfile,
+                         extra_args=extra)
+    return cmd, config, run_dir
+
+
+def placement_warnings(config: "RecoverConfig") -> list[str]:
+    """Where replicas land on the nodes of ``NANOTRON_RECOVER_HOSTFILE`` (empty: one node each, or no hostfile)."""
+    hostfile = os.environ.get(HOSTFILE_ENV)
+    found = hostfile_slots(hostfile) if hostfile and Path(hostfile).is_file() else None
+    if found is None:
+        return []
+    names, slots = found
+    return replica_placement(slots, config.world_size, config.ranks_per_replica, names)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cmd, config, run_dir = train_command(args)
+    for warning in placement_warnings(config):
+        print(f"[nanotron-recover] warning: {warning}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    try:
+        lock = hold_run_folder(run_dir)
+    except RunFolderBusy as e:
+        print(f"nanotron-recover: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NEEDS_PERSON
+    begin_launch(run_dir, launch_record(config, by="nanotron-recover train"))
+    mode = "ReCoVer (ULFM)" if config.ft_enabled else "stock nanotron data path"
+    if config.sharded_replicas:
+        mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
+    print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
+    from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
+
+    ft = config.fault_tolerance or FaultToleranceArgs()
+    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=ft.finalize_timeout_s, pass_fds=(lock,),
+                             stop_grace_s=ft.stop_grace_s if config.ft_enabled else None)
+    return _judge(run_dir, config, rc, args.max_startup_failures)
+
+
+def launch_record(config: "RecoverConfig", by: str) -> dict:
+    """What a launch record says about the job (the run folder keeps one per launch)."""
+    return {"by": by, "world_size": config.world_size, "replicas": config.parallelism.dp,
+            "spare_replicas": config.spare_replicas, "ranks_per_replica": config.ranks_per_replica,
+            "microbatches_per_step": config.microbatches_per_step, "train_steps": config.tokens.train_steps,
+            "micro_batch_size": config.tokens.micro_batch_size, "checkpoints_path": _checkpoints_path(config),
+            "fault_tolerance": config.ft_enabled, "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT")}
+
+
+def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES,
+                        finalize_timeout_s: float = 60.0, pass_fds: tuple[int, ...] = (),
+                        stop_grace_s: float | None = None) -> int:
+    """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything.
+    ``stop_grace_s``: how long a stop signal leaves the job to stop by itself (None: the stock path)."""
+    for attempt in range(1 + retries):
+        started = time.time()
+        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s, pass_fds, stop_grace_s)
+        failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, tail)
+        if failure is None or attempt == retries:
+            return rc
+        print(f"[nanotron-recover] mpirun failed before any rank started ({failure!r}): launching again "
+              f"({attempt + 1}/{retries})", file=sys.stderr, flush=True)
+        time.sleep(LAUNCH_RETRY_PAUSE_S)
+    return rc
+
+
+def _wait_watching(proc: "subprocess.Popen", watch: "MpirunWatch | None", stop: "LauncherStop | None" = None) -> int:
+    """mpirun's return code; a frozen or stuck mpirun is ended when the watch says so, a job that does not stop
+    within the grace after a stop signal when ``stop`` says so."""
+    import subprocess
+
+    from nanotron_recover.launcher.mpirun_watch import end_mpirun
+
+    while True:
+        try:
+            return proc.wait(timeout=WATCH_EVERY_S)
+        except subprocess.TimeoutExpired:
+            if stop is not None:
+                stop.overdue()
+            why = watch.overdue() if watch is not None else None
+            if why is not None:
+                print(f"[nanotron-recover] {why}: ending it (SIGKILL); the run is judged by what it wrote",
+                      file=sys.stderr, flush=True)
+                end_mpirun(proc.pid)
+                watch = None
+        except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
+            continue
+
+
+def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
+    """The PRRTE start-up failure that ended this launch, if any: the runtime itself did not come up (seen on a
+    loaded machine), no rank ran, and the same command is expected to work a moment later."""
+    if mpirun_rc in (EXIT_DONE, EXIT_BAD_INPUT):
+        return None
+    text = output_tail.decode(errors="replace")
+    return next((m for m in PRRTE_STARTUP_FAILURES if m in text), None)
+
+
+def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None, finalize_timeout_s: float = 60.0,
+                            pass_fds: tuple[int, ...] = (), stop_grace_s: float | None = None) -> tuple[int, bytes]:
+    """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); a stop signal
+    sent to the launcher stops the job gracefully (:class:`~nanotron_recover.process.stop_request.LauncherStop`;
+    the stock path: mpirun ends it at once). Its output passes through
+    unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`). A frozen or
+    stuck mpirun is ended within a bound (:mod:`nanotron_recover.launcher.mpirun_watch`), never waited on for ever."""
+    import signal
+    import subprocess
+    import threading
+
+    from nanotron_recover.launcher.mpirun_watch import MpirunWatch
+    from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
+    from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
+
+    # the run folder's lock goes with mpirun: held while the job lives, even if the launcher is killed
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_for_mpirun(stop_grace_s is not None))
+    try:  # mpirun inherits the mask; signals to the launcher meanwhile wait for the handlers below
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds)
+        stop = LauncherStop(proc, stop_grace_s, say=lambda line: print(f"[nanotron-recover] {line}",
+                                                                       file=sys.stderr, flush=True))
+        stop.install()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    tail = bytearray()
+    lock = threading.Lock()
+    filters = [NoiseFilter(), NoiseFilter()]
+
+    def pump(source, sink, noise: NoiseFilter) -> None:
+        def write(data: bytes) -> None:
+            try:
+                sink.write(data)
+                sink.flush()
+            except (OSError, ValueError):  # our own output is gone: keep draining, or mpirun would block
+                pass
+
+        while chunk := os.read(source.fileno(), 65536):
+            write(noise.feed(chunk))
+            with lock:
+                tail.extend(chunk)
+                del tail[:-OUTPUT_TAIL_BYTES]
+        write(noise.flush())
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, filters[0]), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, filters[1]), daemon=True)]
+    for thread in pumps:
+        thread.start()
+    rc = _wait_watching(proc, MpirunWatch(proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None,
+                        stop)
+    for thread in pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us here
+        thread.join(5.0)
+    summary = noise_summary(sum(f.dropped for f in filters))
+    if summary is not None:
+        print(summary, file=sys.stderr, flush=True)
+    with lock:
+        return rc, bytes(tail)
+
+
+def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_failures: int | None = None) -> int:
+    """The launcher's exit code, from what the run wrote, never from mpirun's code alone: under ``--with-ft ulfm``
+    mpirun returns 0 when the whole job was torn down (a node's daemon lost) and 1 when a rank
+    ended the job with the restart outcome (a start-up timeout). Any run that did not reach its last step and
+    whose ranks recorded nothing a person must fix exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it;
+    the same start-up failure on ``max_startup_failures`` launches in a row exits 2 instead."""
+    verdict, detail = judge_launch(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config),
+                                   needs_final_checkpoint=config.saves_final_checkpoint,
+                                   max_startup_failures=max_startup_failures)
+    if verdict == "restart":
+        print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
+              "resume from latest.txt", file=sys.stderr, flush=True)
+    elif verdict == "aborted":
+        print(f"[nanotron-recover] a rank aborted the job on an error ({detail}): exit {EXIT_NEEDS_PERSON}, a person "
+              "must look (a relaunch would meet the same error)", file=sys.stderr, flush=True)
+    elif verdict == NEEDS_PERSON:
+        print(f"[nanotron-recover] the job cannot go on until a person acts ({detail}): exit {EXIT_NEEDS_PERSON}, "
+              "not requeued", file=sys.stderr, flush=True)
+    if verdict != "done":
+        _say_why(run_dir)
+    return OUTCOME_EXIT_CODES[verdict]
+
+
+def _say_why(run_dir: Path) -> None:
+    """Repeat the ranks' own reasons from their exit records: a rank's last stderr line can be lost when its
+    daemon is torn down right after it (the daemon forwards the rank's output), its exit record cannot."""
+    for line in exit_reasons(run_dir):
+        print(f"[nanotron-recover] why: {line}", file=sys.stderr, flush=True)
+
+
+def _checkpoints_path(config: "RecoverConfig") -> str:
+    return str(config.checkpoints.checkpoints_path) if config.checkpoints is not None else "checkpoints"
+
+
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from nanotron_recover.data.prepare import run_prepare_from_args
+
+    return run_prepare_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanotron-recover", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="launch a training run under mpirun (ULFM when fault_tolerance is on)")
+    add_override_args(train)
+    train.add_argument("--dry-run", action="store_true", help="print the mpirun command line and exit")
+    train.add_argument("--max-startup-failures", type=int, default=None, metavar="N",
+                       help="exit 2 (not 3: no requeue) once the same start-up failure ended N launches of this run "
+                            "folder in a row (default: $NANOTRON_RECOVER_MAX_STARTUP_FAILURES or 3; 0: never)")
+    train.set_defaults(func=_cmd_train)
+    from nanotron_recover.data.prepare import add_prepare_arguments
+
+    prep = sub.add_parser("prepare-data", help="tokenize a corpus (default: the King James Bible) into datatrove files")
+    add_prepare_arguments(prep)
+    prep.set_defaults(func=_cmd_prepare_data)
+    from nanotron_recover.sim.plan import add_plan_arguments, run_plan  # pure Python, no torch / MPI
+
+    plan = sub.add_parser("plan", help="simulate failures on a cluster: ETTR per policy, recommended settings")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=run_plan)
+    from nanotron_recover.report.cli import add_report_arguments, run_report  # matplotlib only when drawing
+
+    report = sub.add_parser("report", help="what happened to a run: a summary on stdout and a figure")
+    add_report_arguments(report)
+    report.set_defaults(func=run_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from nanotron_recover.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"nanotron-recover: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""A rank's start-up guard, armed before torch or MPI is imported: the start-up watchdog and the start-up faults.
+
+A rank that stalls before every rank is ready (a frozen peer in the rendezvous, a dead node's ranks) is ended
+by the watchdog with the restart outcome and an exit record; the fault injector fires the schedule's
+``phase: startup`` entries at their points. Standard library (and YAML) only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanotron_recover.process.inject import FailureInjector
+from nanotron_recover.process.watchdog import StartupWatchdog
+from nanotron_recover.run.job_shape import ranks_per_replica
+from nanotron_recover.run.run_folder import exit_record_path
+
+
+@dataclass
+class StartupGuard:
+    """This rank's start-up watchdog and its start-up fault injector (``phase: startup`` entries)."""
+
+    watchdog: StartupWatchdog
+    injector: FailureInjector
+
+
+def _peek_fault_tolerance(config_file: str) -> tuple[dict, int] | None:
+    """The raw ``fault_tolerance`` section and the ranks per replica, read with YAML alone (no torch yet);
+    None when fault tolerance is off or the file cannot be read (the full load reports that)."""
+    import yaml
+
+    try:
+        with open(config_file) as f:
+            raw = yaml.safe_load(f)
+        ft = raw.get("fault_tolerance")
+        if not isinstance(ft, dict) or not ft.get("enabled", True):
+            return None
+        return ft, ranks_per_replica(raw)
+    except Exception:  # noqa: BLE001 - the real loader gives the error message
+        return None
+
+
+def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | None:
+    """Under mpirun with fault tolerance on: fork the start-up watchdog, then fire a ``before_mpi_init`` fault."""
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK")
+    peek = _peek_fault_tolerance(config_file) if rank is not None else None
+    if peek is None:
+        return None
+    ft, rpr = peek
+    record = exit_record_path(Path(run_dir), rank) if run_dir else None
+    watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}", exit_record=record)
+    try:
+        injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, run_dir=run_dir)
+    except (ValueError, TypeError, KeyError):  # a bad schedule: the config loader names the key
+        injector = FailureInjector([], 0, 0)
+    injector.maybe_fail(0, "startup:before_mpi_init")
+    return StartupGuard(watchdog, injector)

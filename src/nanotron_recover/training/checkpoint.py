@@ -1,0 +1,247 @@
+"""Checkpoints, written atomically, and auto-resume from ``latest.txt``.
+
+What goes inside a checkpoint folder is a :class:`CheckpointLayout`: nanotron's own format for 3D replicas
+(:class:`NanotronLayout`), per-rank shard files for FSDP replicas (``nanotron_recover.hsdp.checkpoint``).
+``trainer_state.json`` (written last) names the layout, the step and M.
+
+A save goes to a hidden temporary folder, every file is fsynced, then one rank renames the folder into place
+and replaces ``latest.txt`` (write temp file, fsync, ``os.replace``). A process killed mid-save leaves the
+previous checkpoint and ``latest.txt`` valid. A relative ``checkpoints.checkpoints_path`` lives in the run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from nanotron.serialize import load_weights, save_meta, save_weights
+from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
+
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
+from nanotron_recover.run.disk_space import DiskFull, is_disk_full, written_path
+from nanotron_recover.run.exit_codes import NeedsPerson
+from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, fsync_dir, write_atomically
+from nanotron_recover.training.checkpoint_integrity import (
+    CHECKSUM_KIND,
+    FILES_KEY,
+    STATE_FILE,
+    manifest,
+    sealed_state_text,
+)
+from nanotron_recover.training.checkpoint_resume import (  # noqa: F401 - resolve_checkpoint: the checkpoints' public helper
+    LATEST,
+    ResumeChoice,
+    StartupPeers,
+    choose_intact,
+    latest_step,
+    numbered_checkpoints,
+    resolve_checkpoint,
+)
+
+TMP_PREFIX = ".tmp-step-"
+
+install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
+
+if TYPE_CHECKING:
+    from nanotron_recover.training.training_state import TrainingState
+
+LAYOUT_NANOTRON = "nanotron"  # trainer_state.json "layout" values (absent in older checkpoints: nanotron)
+LAYOUT_HSDP = "hsdp"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(folder)
+
+
+
+class CheckpointLayout(Protocol):
+    """How model, optimizer and LR scheduler are laid out inside a checkpoint folder."""
+
+    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
+        """Collective over the writing replica's ranks; ``folder`` exists."""
+
+    def read(self, trainer: "TrainingState", folder: Path) -> None:
+        """Load into this rank's model, optimizer and LR scheduler."""
+
+
+class NanotronLayout:
+    """nanotron 0.4's ``serialize`` format (weights as safetensors per TP/PP shard, optimizer, LR scheduler)."""
+
+    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
+        pc = trainer.parallel_context
+        save_weights(trainer.unwrapped_model, pc, folder)
+        save_optimizer(trainer.optimizer, pc, folder)
+        save_lr_scheduler(trainer.lr_scheduler, pc, folder)
+        samples = step * trainer.M * trainer.config.tokens.micro_batch_size
+        save_meta(pc, folder, {"last_train_step": step, "consumed_train_samples": samples})
+
+    def read(self, trainer: "TrainingState", folder: Path) -> None:
+        pc = trainer.parallel_context
+        load_weights(trainer.unwrapped_model, pc, folder)
+        load_optimizer(trainer.optimizer, pc, folder, map_location=str(trainer.device))
+        load_lr_scheduler(trainer.lr_scheduler, folder)
+
+
+def layout_state(config: RecoverConfig) -> dict:
+    """The ``trainer_state.json`` keys that say which runs can resume a checkpoint (besides M)."""
+    if config.sharded_replicas:
+        return {"layout": LAYOUT_HSDP, "fsdp_shard_size": config.fault_tolerance.fsdp_shard_size}
+    return {"layout": LAYOUT_NANOTRON}
+
+
+def dtype_name(config: RecoverConfig) -> str:
+    return str(config.model.dtype).removeprefix("torch.")
+
+
+def check_resumable(source: Path, config: RecoverConfig) -> None:
+    """Same M, the same model dtype (a bf16 checkpoint holds fp32 masters, a float32 one does not), and a layout
+    this run reads: nanotron (3D replicas) or HSDP shards of the same shard size."""
+    check_same_microbatches(source, config.microbatches_per_step)
+    saved = json.loads((source / STATE_FILE).read_text())
+    saved_dtype = saved.get("dtype", "float32")  # older checkpoints: float32 runs
+    if saved_dtype != dtype_name(config):
+        raise ValueError(
+            f"{source} was trained with model.dtype: {saved_dtype}, this run has {dtype_name(config)}: "
+            "resume with the same dtype"
+        )
+    saved_layout = {"layout": saved.get("layout", LAYOUT_NANOTRON), "fsdp_shard_size": saved.get("fsdp_shard_size")}
+    wanted = {"fsdp_shard_size": None, **layout_state(config)}
+    if saved_layout != wanted:
+        raise ValueError(f"{source} holds {_describe(saved_layout)}; this run needs {_describe(wanted)}")
+
+
+def _describe(layout: dict) -> str:
+    if layout["layout"] == LAYOUT_HSDP:
+        return f"HSDP shards of fsdp_shard_size={layout['fsdp_shard_size']}"
+    return f"the {layout['layout']} format (3D replicas)"
+
+
+def check_same_microbatches(source: Path, microbatches_per_step: int) -> None:
+    """A checkpoint continues only a run with the same global microbatch count M (else each step's samples differ)."""
+    saved = json.loads((source / STATE_FILE).read_text()).get("microbatches_per_step")
+    if saved != microbatches_per_step:
+        raise ValueError(
+            f"{source} was trained with {saved} microbatches per step, this run has {microbatches_per_step} "
+            "(dp x batch_accumulation_per_replica): the samples of each step would differ"
+        )
+
+
+class CheckpointManager:
+    def __init__(self, config: RecoverConfig, run_dir: Path, layout: CheckpointLayout | None = None) -> None:
+        self.config = config
+        self.layout = layout if layout is not None else NanotronLayout()
+        args = config.checkpoints
+        self.interval = args.checkpoint_interval if args is not None else None
+        root = Path(args.checkpoints_path) if args is not None else Path("checkpoints")
+        self.root = root if root.is_absolute() else Path(run_dir) / root
+        self.resume_path = Path(args.resume_checkpoint_path) if args and args.resume_checkpoint_path else None
+
+    def due(self, step: int) -> bool:
+        return self.interval is not None and step % self.interval == 0
+
+    def latest(self) -> Path | None:
+        return resolve_checkpoint(self.root) if self.root.is_dir() else None
+
+    def save(
+        self,
+        trainer: "TrainingState",
+        step: int,
+        *,
+        writer: bool,
+        barrier: Callable[[], None],
+        publisher: bool,
+        extra_state: dict | None = None,
+        fault_point: Callable[[str], None] = lambda phase: None,
+    ) -> None:
+        """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place.
+        ``fault_point(phase)``: progress and the fault schedule inside the save (``checkpoint-write`` once this
+        rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``)."""
+        if not writer:
+            return
+        # a name of this launch and world epoch alone: a writer of another launch (a frozen node that thaws) or of
+        # an earlier attempt at this step can never publish what this one wrote
+        token = os.environ.get(LAUNCH_TOKEN_ENV, "0")
+        tmp = self.root / f"{TMP_PREFIX}{step}-{token}-e{(extra_state or {}).get('epoch', 0)}"
+        if (self.root / str(step) / STATE_FILE).is_file():
+            # saved already: the fallback save right after an interval save, or a relaunch that adopted a folder
+            # whose pointer was never written (the pointer follows)
+            if publisher and (latest_step(self.root) or 0) < step:
+                write_atomically(self.root / LATEST, f"{step}\n", durable=True)
+            return
+        try:
+            self._write_and_publish(trainer, step, tmp, barrier, publisher, extra_state, fault_point)
+        except Exception as e:
+            if not is_disk_full(e, self.root):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays: it holds the space a person must free
+            raise DiskFull(written_path(e, tmp), e) from e
+
+    def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
+                           publisher: bool, extra_state: dict | None, fault_point: Callable[[str], None]) -> None:
+        final = self.root / str(step)
+        if publisher:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed writers' (the run folder's lock is ours)
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        self.layout.write(trainer, tmp, step)
+        fault_point("checkpoint-write")
+        barrier()  # every part written
+        if not publisher:
+            return
+        _fsync_tree(tmp)
+        state = {
+            "step": step,
+            "microbatches_per_step": trainer.M,
+            "dtype": dtype_name(self.config),
+            **layout_state(self.config),
+            **(extra_state or {}),
+            "checksum": CHECKSUM_KIND,
+            FILES_KEY: manifest(tmp),  # read back from the page cache: the files just written
+        }
+        write_atomically(tmp / STATE_FILE, sealed_state_text(state), durable=True)
+        shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        fault_point("checkpoint-publish")
+        write_atomically(self.root / LATEST, f"{step}\n", durable=True)
+
+    def choose(self, peers: StartupPeers) -> ResumeChoice:
+        """Collective at start-up: the newest intact checkpoint (:mod:`nanotron_recover.training.checkpoint_resume`). An
+        explicit ``resume_checkpoint_path`` starts a run; once the run has checkpoints of its own, its relaunches
+        resume from those (and from its node-local snapshots), as the launcher says, not from that path again."""
+        source = self.resume_path
+        if source is not None and numbered_checkpoints(self.root):
+            if peers.startup_share()[0] == 0:
+                print(f"[nanotron-recover] this run has checkpoints of its own in {self.root}: resuming from them "
+                      f"(checkpoints.resume_checkpoint_path {source} started the run)", flush=True)
+            source = None
+        return choose_intact(self.root, source, peers)
+
+    def load(self, trainer: "TrainingState", choice: ResumeChoice, peers: StartupPeers) -> int:
+        """Collective: load the chosen checkpoint into model, optimizer and LR scheduler; return its step. A read
+        that fails on any rank (an older checkpoint without checksums, damaged) ends the job for a person."""
+        source = choice.path
+        assert source is not None and choice.step is not None
+        check_resumable(source, self.config)
+        try:
+            self.layout.read(trainer, source)
+            error = None
+        except Exception as e:  # noqa: BLE001 - whatever the format's reader raises on a damaged file
+            error = f"{source} cannot be loaded: {type(e).__name__}: {e}"
+        errors = [e for e in peers.gather_at_startup(error) if e]
+        if errors:
+            raise NeedsPerson("damaged checkpoint", errors[0], file=str(source))
+        print(f"[nanotron-recover] resumed from {source} at step {choice.step}", flush=True)
+        return choice.step

@@ -1,0 +1,404 @@
+"""``RecoverTrainer``: the step loop.
+
+One step reads like a paragraph: plan which global microbatches this replica computes -> forward/backward
+them through the pipeline engine (loss / M) -> reduce the gradient across replicas (with in-step recovery) ->
+sync tied weights -> clip -> optimizer step -> log.
+
+nanotron 0.4's ``DistributedTrainer`` cannot be imported here (``trainer.py`` imports flash_attn through its
+models and hard-codes CUDA), so this trainer reuses its parts instead: ``NamedOptimizer``, the LR scheduler
+builder, ``clip_grad_norm``, ``sync_tied_weights_gradients`` and the ``serialize`` checkpoint format.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from nanotron.helpers import lr_scheduler_builder
+from nanotron.optim.named_optimizer import NamedOptimizer
+from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
+
+from nanotron_recover.config import RecoverConfig
+from nanotron_recover.data import build_dataset
+from nanotron_recover.models.llama import build_llama, init_weights
+from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
+from nanotron_recover.process.inject import FailureInjector
+from nanotron_recover.process.stop_request import StopRequested
+from nanotron_recover.run import devices
+from nanotron_recover.run.exit_codes import NeedsPerson
+from nanotron_recover.run.phases import Phase
+from nanotron_recover.training.checkpoint import CheckpointManager
+from nanotron_recover.training.checkpoint_resume import settle_root
+from nanotron_recover.training.engines import build_engine, place_microbatch, summed_loss
+from nanotron_recover.training.memory import training_state_bytes
+from nanotron_recover.training.metrics import MetricsLogger
+from nanotron_recover.training.seam import CommittedStep, DataParallelStrategy, LocalWork, StepServices
+from nanotron_recover.training.training_state import is_dtensor
+
+logger = logging.getLogger(__name__)
+
+
+class RecoverTrainer:
+    """Builds model, optimizer, data and engine for one rank and runs the step loop.
+
+    ``data_parallel`` is the strategy for everything that crosses replicas (:mod:`nanotron_recover.training.seam`): the
+    stock path (:class:`nanotron_recover.training.stock.StockDataParallel`) or ReCoVer's
+    (:class:`nanotron_recover.recovery.resilient.ResilientDataParallel`). The trainer is the
+    :class:`~nanotron_recover.training.seam.TrainingState` it reads and hands it :class:`StepServices`.
+    """
+
+    def __init__(self, config: RecoverConfig, run_dir: Path, data_parallel: DataParallelStrategy) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.dp = data_parallel
+        self.parallel_context = data_parallel.parallel_context
+        self.device = devices.compute_device()
+        self.M = config.microbatches_per_step
+        # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
+        self.injector = FailureInjector(
+            config.fault_tolerance.inject if config.fault_tolerance else [],
+            data_parallel.replica, data_parallel.local_rank, run_dir=self.run_dir,
+        )
+        self._current_step = 0  # read by the phase hooks
+        self._nonfinite_microbatch: int | None = None  # this step's first microbatch whose loss was NaN or inf here
+
+        self._build_replica_state()
+        self.engine = build_engine(config.parallelism.pp_engine)
+        self.dataset = build_dataset(
+            config.data, config.tokens, microbatches_per_step=self.M,
+            model_vocab_size=config.model.model_config.vocab_size
+        )
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(),
+                                     wandb_config=_wandb_config(config))
+        self.metrics.slow_io = lambda: self.dp.slow_io(Phase.METRICS_IO)  # a new logging rank starts wandb mid-step
+        if self.metrics.enabled:
+            self.metrics.start_wandb()  # during setup, not as a gap between the first steps
+        self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
+        self.step = 0
+        self.services = StepServices(
+            compute=self.compute, fault_point=self._fault_point, metrics=self.metrics,
+            last_record=lambda: self.last_record, release_replica=self._release_replica_state,
+            rebuild_replica=self._rebuild_replica_state,
+        )
+        self.grad_norm: float | None = None
+        self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
+
+    # ----------------------------------------------------------------------------------------------- building
+    def _build_replica_state(self) -> None:
+        """Model, gradient layout, optimizer and LR schedule of this rank's coordinate, over ``parallel_context``."""
+        config = self.config
+        self.model = build_llama(
+            config.model.model_config,
+            parallel_context=self.parallel_context,
+            parallel_config=config.parallelism,
+            dtype=self.dp.parameter_dtype(config.model.dtype),
+            device=self.device,
+        )
+        init_weights(self.model, std=_init_std(config), seed=config.general.seed)
+        self.injector.maybe_fail(0, "startup:model_build")
+        attached = self.dp.attach_model(  # may wrap the model (DDP), shard it, or lay gradients into buckets
+            self.model, list(self.model.get_named_params_with_correct_tied()), self.device
+        )
+        self.engine_model, self.unwrapped_model = attached.model, attached.unwrapped
+        self.named_params = attached.named_params
+        self.optimizer = self._build_optimizer()
+        self.lr_scheduler = lr_scheduler_builder(
+            self.optimizer, config.optimizer.learning_rate_scheduler, total_training_steps=config.tokens.train_steps
+        )
+        self._install_phase_hooks()
+
+    def _release_replica_state(self) -> None:
+        """This rank left its replica for the pool (recycling): drop everything built over the replica's torch
+        world, so that the world's sockets close and a replica-mate still waiting on us gets an error at once
+        (gloo closes a connection only when the last reference to its process group is gone)."""
+        self.model = self.engine_model = self.unwrapped_model = None  # type: ignore[assignment]
+        self.optimizer = self.lr_scheduler = None
+        self.named_params = []
+        self.parallel_context = None
+
+    def _rebuild_replica_state(self, parallel_context) -> None:
+        """This pool rank joined a new replica: build its coordinate's model over the new torch world, and bring
+        the LR schedule to the current step (parameters and optimizer state then come from a live replica)."""
+        self.parallel_context = parallel_context
+        layout = self.dp.checkpoint_layout()  # HSDP: the shard index it now holds (3D: nanotron's, unchanged)
+        if layout is not None:
+            self.checkpoints.layout = layout
+        self._build_replica_state()
+        with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: here on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for _ in range(self._current_step):  # formed after the commit of this step, whose LR step is done
+                self.lr_scheduler.step()
+
+    def _build_optimizer(self) -> NamedOptimizer | OptimizerFromGradientAccumulator:
+        """AdamW over the parameters (fp32), or nanotron's mixed-precision recipe (bf16): AdamW over fp32 masters
+        whose gradients are the fp32 buckets' ``main_grad`` views, the bf16 parameters refreshed after each step."""
+        args = self.config.optimizer
+        fused = bool(args.torch_adam_is_fused) and self.device.type == "cuda"
+
+        def adamw(groups):
+            return torch.optim.AdamW(
+                groups,
+                lr=args.learning_rate_scheduler.learning_rate,
+                weight_decay=args.weight_decay,
+                eps=args.adam_eps,
+                betas=(args.adam_beta1, args.adam_beta2),
+                fused=fused,
+            )
+
+        if not (has_low_precision_params(self.named_params) and args.accumulate_grad_in_fp32):
+            # fp32, or bf16 without fp32 accumulation (stock path only, as nanotron: AdamW on the bf16 parameters)
+            return NamedOptimizer(named_params_or_groups=self.named_params, optimizer_builder=adamw)
+        return OptimizerFromGradientAccumulator(
+            gradient_accumulator_builder=BucketFP32GradientAccumulator,
+            named_params_or_groups=self.named_params,
+            optimizer_builder=lambda groups: NamedOptimizer(named_params_or_groups=groups, optimizer_builder=adamw),
+        )
+
+    def _at(self, phase: str) -> None:
+        """A point of the current step: progress for the hang monitor, and where a scheduled fault fires."""
+        self._fault_point(self._current_step, phase)
+
+    def _fault_point(self, step: int, phase: str) -> None:
+        self.dp.progress(step, phase)
+        if self.dp.replica is not None and self.dp.replica != self.injector.my_replica:
+            self.injector.retarget(self.dp.replica, self.dp.local_rank)  # recycled: faults name the new replica
+        self.injector.maybe_fail(step, phase)
+
+    def _install_phase_hooks(self) -> None:
+        """Progress and fault injection inside the real computation: a forward pre-hook and a gradient hook, once
+        per microbatch (a microbatch is the unit of progress the hang monitor waits for)."""
+        local_params = [p for p in self.unwrapped_model.parameters() if p.requires_grad]
+        if not local_params:
+            return
+        self.unwrapped_model.register_forward_pre_hook(
+            lambda *_: self._at(Phase.FORWARD) or self._slow_microbatch() or self._maybe_poison())
+        if is_dtensor(local_params[0]):
+            # FSDP2: autograd sees only the unsharded copies; a sharded parameter's post-accumulate hooks run when
+            # its layer's gradient was reduce-scattered. A middle layer's: the shard group is still mid-backward.
+            middle = local_params[len(local_params) // 2]
+            middle.register_post_accumulate_grad_hook(lambda p: self._at(Phase.BACKWARD))
+            return
+        local_params[0].register_hook(lambda g: self._at(Phase.BACKWARD) or g)
+
+    def _maybe_poison(self) -> None:
+        """A ``signal: nan`` entry fired for this microbatch: the first floating-point output of a layer in its
+        forward on this rank becomes NaN (a real non-finite activation: the loss and the gradients follow)."""
+        if not self.injector.take_poison():
+            return
+        handles: list = []
+
+        def poison(module, inputs, output):
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                for handle in handles:
+                    handle.remove()
+                return output * float("nan")
+            return None
+
+        handles.extend(m.register_forward_hook(poison) for m in self.unwrapped_model.modules()
+                       if next(m.children(), None) is None)
+
+    def _slow_microbatch(self) -> None:
+        """A ``signal: slow`` entry for this rank: this microbatch takes its factor times as long."""
+        self.injector.slowdown.microbatch(self._current_step)
+
+    # ----------------------------------------------------------------------------------------------- compute
+    def compute(self, step: int, indices: Sequence[int], loss_divisor: int) -> LocalWork:
+        """Forward/backward the given global microbatches of ``step``; gradients accumulate in place. The wall
+        time goes with the work: it is this replica's measured speed (the rebalancer's input)."""
+        if len(indices) == 0:
+            return LocalWork()
+        started = time.perf_counter()
+        self.injector.slowdown.begin()
+        self._at(Phase.DATALOAD)
+        unwrapped, pc = self.unwrapped_model, self.parallel_context
+        batch = [
+            place_microbatch(self.dp.local_rows(self.dataset.microbatch(step, i)), unwrapped, pc, self.device)
+            for i in indices
+        ]
+        outputs = self.engine.train_batch_iter(
+            self.engine_model,
+            pg=self.parallel_context.pp_pg,
+            batch=batch,
+            nb_microbatches=len(batch),
+            grad_accumulator=None,
+            loss_divisor=loss_divisor,
+        )
+        loss = summed_loss(outputs)  # each microbatch's loss / loss_divisor, on the last stage only
+        loss_sum = float(loss) if loss is not None else 0.0
+        if not math.isfinite(loss_sum) and self._nonfinite_microbatch is None:
+            self._nonfinite_microbatch = next(
+                i for i, out in zip(indices, outputs) if isinstance(out["loss"], torch.Tensor)
+                and not torch.isfinite(out["loss"]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the measured time is the kernels', not their launches'
+        self.injector.slowdown.end(step, len(indices))
+        return LocalWork(loss_sum=loss_sum, microbatches=len(indices),
+                         compute_s=time.perf_counter() - started)
+
+    # ----------------------------------------------------------------------------------------------- the loop
+    def train(self) -> None:
+        self.step = self._resume()
+        first_step = self.step + 1
+        self.injector.maybe_fail(0, "startup:checkpoint_load")
+        # every rank ready: from here on a fault is recovered, not a restart
+        self.dp.startup_complete(fault_point=lambda: self.injector.maybe_fail(0, "startup:agreed"))
+        total = self.config.tokens.train_steps
+        tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
+        saved = None
+        while self.step < total:
+            step = self.step + 1
+            t0 = time.perf_counter()
+            result = self.train_step(step)
+            elapsed = time.perf_counter() - t0
+            self.step = step
+            self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
+            if step == first_step:
+                self._log_training_state(step)  # after the first optimizer step: Adam's state exists
+            if self.checkpoints.due(step):
+                self._at(Phase.CHECKPOINT)
+                self.save_checkpoint(step)
+                saved = step
+            if result.stop is not None:
+                self._stop(step, result.stop, saved == step)
+        if self.config.saves_final_checkpoint and saved != self.step:
+            # the trained model is the job's product: the launcher calls a run done only once it is on disk, so a
+            # run killed in this save (or resumed at its last step from node-local snapshots) writes it here
+            self.save_checkpoint(self.step)
+        self.dp.finish(self.step, self.services)
+        self.metrics.close()
+
+    def _stop(self, step: int, reason: str, saved: bool) -> None:
+        """A stop signal reached the job: ``step`` is its last (every rank knows it from the step's sums). Its
+        node-local snapshot is being written (and a checkpoint where the config asks): wait for it, then end."""
+        self.dp.settle_snapshot()
+        if self.config.checkpoints_at_stop and not saved:
+            self._at(Phase.CHECKPOINT)
+            self.save_checkpoint(step, extra_state={"stopped": "signal"})
+        if self.metrics.enabled:
+            self.metrics.log_event({"event": "stop_signal", "step": step, "reason": reason})
+        raise StopRequested(reason)
+
+    def _resume(self) -> int:
+        """The step to continue after (0: from scratch). The newest intact checkpoint is chosen on every rank alike
+        (damaged ones are reported and set aside); the newest committed step held in this run's node-local
+        snapshots wins when it is newer. A checkpoint that existed with none intact and no snapshot to take over
+        ends the job for a person."""
+        choice = self.checkpoints.choose(self.dp)
+        if self.dp.startup_share()[0] == 0:
+            settle_root(self.checkpoints.root, choice, say=lambda line: print(f"[nanotron-recover] {line}", flush=True))
+        if choice.damaged and self.metrics.enabled:
+            self.metrics.log_event({"event": "checkpoint_damaged", "problems": choice.damaged,
+                                    "resumed_from": str(choice.path) if choice.path else None})
+        local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step)  # this run's own, if any
+        if local is not None:
+            if choice.step is not None and self.metrics.enabled:  # an operator who rolled latest.txt back is told
+                print(f"[nanotron-recover] the node-local snapshot of step {local} is newer than the checkpoint of "
+                      f"step {choice.step} ({choice.path}): resuming from the snapshot. To resume from an older "
+                      "state, relaunch with local_snapshot_interval: 0 (or delete this run's snapshots)", flush=True)
+            return local
+        if choice.path is None:
+            if choice.damaged:
+                raise NeedsPerson("damaged checkpoint", f"no intact checkpoint to fall back to: {choice.damaged[0]}",
+                                  file=choice.damaged[0].split(":")[0])
+            return 0
+        return self.checkpoints.load(self, choice, self.dp)
+
+    def _log_training_state(self, step: int) -> None:
+        """Bytes of training state per parameter on the logging rank (``benchmarks/precision_bench.py``)."""
+        if self.metrics.enabled:
+            state = training_state_bytes(self.named_params, self.optimizer, getattr(self.dp, "buckets", None))
+            self.metrics.log_event({"event": "training_state", "step": step, "dtype": str(self.config.model.dtype),
+                                    **state})
+
+    def train_step(self, step: int) -> CommittedStep:
+        self._current_step, self._nonfinite_microbatch = step, None
+        result = self.dp.forward_backward_reduce(step, self.services)  # plan -> compute -> reduce (with recovery)
+        if result.nonfinite is not None:  # the same on every rank: never committed, saved or snapshotted
+            raise self._nonfinite_step(step, result.nonfinite)
+        self._at(Phase.OPTIMIZER)
+        if self.dp.computes():  # an idle spare only keeps its LR schedule in step
+            self.dp.update_replica(step, self.services, self._update_weights)
+        if self.lr_scheduler is not None:  # None: a rank in the pool (recycling) holds no model
+            self.lr_scheduler.step()
+        self.dp.zero_grad(self)
+        self.dp.after_commit(step, self, self.services)  # e.g. spare activation, state transfer
+        return result
+
+    def _nonfinite_step(self, step: int, what: str) -> NeedsPerson:
+        """The error that ends the run at a non-finite step; a rank whose own microbatch's loss was non-finite
+        names it (the launcher repeats the lowest one)."""
+        found = self._nonfinite_microbatch
+        where = "" if found is None else f"; global microbatch {found} (replica {self.dp.replica}) was non-finite here"
+        return NeedsPerson("non-finite step", f"step {step} was not committed: {what}{where}; the state of step "
+                           f"{step - 1} is kept (latest.txt, node-local snapshots)", nonfinite_step=step,
+                           nonfinite_microbatch=None if found is None else {"microbatch": found,
+                                                                            "replica": self.dp.replica})
+
+    def _update_weights(self) -> None:
+        self.dp.sync_tied_gradients(self)
+        self.grad_norm = self._clip()
+        self.optimizer.step()
+
+    def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
+        """Save the committed state of ``step``; the strategy decides who writes and publishes."""
+        # a save may take up to startup_timeout_s (the hang monitor's allowance)
+        self.dp.progress(step, Phase.CHECKPOINT)
+        def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
+            self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra,
+                                  fault_point=lambda phase: self._fault_point(step, phase))
+
+        self.dp.save_checkpoint(step, write, self.services, extra_state=extra_state)
+
+    def _clip(self) -> float | None:
+        max_norm = self.config.optimizer.clip_grad
+        if max_norm is None:
+            return None
+        return self.dp.clip_grad_norm(self, max_norm)
+
+    def log_step(self, result: CommittedStep, elapsed: float, tokens_per_step: int) -> None:
+        live_procs = result.live_replicas * self.config.ranks_per_replica
+        record = {
+            "step": self.step,
+            "time": time.time(),  # when the step was committed (to line up with fault times)
+            "loss": result.loss,
+            "lr": self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else None,
+            "grad_norm": self.grad_norm,
+            "microbatches": result.microbatches,
+            "tokens": tokens_per_step,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "tokens_per_s_per_process": tokens_per_step / elapsed / live_procs,
+            "live_replicas": result.live_replicas,
+            "epoch": result.epoch,
+            "recoveries": result.recoveries,
+        }
+        pool = self.dp.pool_ranks()
+        if pool is not None:
+            record["pool_ranks"] = pool
+        if result.quotas is not None:
+            record["quotas"] = {str(r): n for r, n in sorted(result.quotas.items())}
+        record.update(result.balance or {})  # speeds per replica (resilient path), drained stragglers
+        self.last_record = record
+        self.metrics.set_logging(self.dp.is_logging_rank())
+        if not self.dp.is_logging_rank():
+            return
+        self.metrics.log_step(record)
+        print(
+            f"[step {self.step:>5}] loss {result.loss:.6f} lr {record['lr']:.3e} mb {result.microbatches} "
+            f"replicas {result.live_replicas} epoch {result.epoch} {elapsed * 1000:.0f} ms",
+            flush=True,
+        )
+
+
+def _init_std(config: RecoverConfig) -> float:
+    init = config.model.init_method
+    return float(getattr(init, "std", 0.02))
+
+
+def _wandb_config(config: RecoverConfig) -> dict:
+    return {"project": config.general.project, "name": config.general.run}

@@ -1,0 +1,109 @@
+"""The launcher around mpirun: output passes through, and a launch that PRRTE itself failed to start is repeated."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from nanotron_recover.launcher.launch import PRRTE_STARTUP_FAILURES, launch_failure
+from nanotron_recover.run.run_folder import ranks_wrote_since
+
+LISTENER = PRRTE_STARTUP_FAILURES[0]
+
+
+def test_only_prrte_start_up_failures_are_launch_failures() -> None:
+    assert launch_failure(213, f"---\n{LISTENER}. We cannot\ncontinue.\n".encode()) == LISTENER
+    assert launch_failure(213, b"A daemon failed to report back after being spawned") is not None
+    assert launch_failure(0, LISTENER.encode()) is None  # mpirun said it finished
+    assert launch_failure(2, LISTENER.encode()) is None  # bad input: relaunching cannot help
+    assert launch_failure(137, b"Killed") is None
+
+
+def test_a_rank_record_written_after_the_launch_counts(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert ranks_wrote_since(tmp_path, 0.0)
+    assert not ranks_wrote_since(tmp_path, (tmp_path / "metrics.jsonl").stat().st_mtime + 1.0)
+    assert not ranks_wrote_since(tmp_path / "absent", 0.0)
+
+
+def _launcher(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
+    """A real launcher process whose 'mpirun' is ``script`` (a stand-in for PRRTE's start-up, not for MPI)."""
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(textwrap.dedent(script))
+    code = ("import sys; from pathlib import Path; from nanotron_recover.launcher import launch; "
+            "launch.LAUNCH_RETRY_PAUSE_S = 0.0; "
+            f"sys.exit(launch.launch_with_retries([sys.executable, {str(stand_in)!r}], Path({str(tmp_path)!r})))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_failed_start_is_launched_again_and_its_output_passes_through(tmp_path: Path) -> None:
+    proc = _launcher(tmp_path, f"""
+        import sys
+        from pathlib import Path
+        count = Path(__file__).with_name("attempts")
+        n = int(count.read_text()) if count.exists() else 0
+        count.write_text(str(n + 1))
+        print("attempt", n, flush=True)
+        if n == 0:
+            print({LISTENER!r} + ". We cannot continue.", file=sys.stderr)
+            sys.exit(213)
+        print("ranks ran", file=sys.stderr)
+        """)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "attempts").read_text() == "2"
+    assert proc.stdout.splitlines() == ["attempt 0", "attempt 1"]
+    assert "launching again (1/2)" in proc.stderr and proc.stderr.rstrip().endswith("ranks ran")
+
+
+def test_a_failure_after_ranks_wrote_is_not_launched_again(tmp_path: Path) -> None:
+    proc = _launcher(tmp_path, f"""
+        import sys
+        from pathlib import Path
+        Path(__file__).with_name("metrics.jsonl").write_text("{{}}\\n")
+        print({LISTENER!r}, file=sys.stderr)
+        sys.exit(213)
+        """)
+    assert proc.returncode == 213
+    assert "launching again" not in proc.stderr
+
+
+def test_the_retries_end(tmp_path: Path) -> None:
+    proc = _launcher(tmp_path, f"""
+        import sys
+        print({LISTENER!r}, file=sys.stderr)
+        sys.exit(213)
+        """)
+    assert proc.returncode == 213
+    assert proc.stderr.count("launching again") == 2
+
+
+def _judged(tmp_path: Path, mpirun_rc: int, codes: list[int], last_step: int = 2, saved: int | None = None) -> int:
+    from nanotron_recover.config import config_from_dict
+    from nanotron_recover.launcher.launch import _judge
+    from nanotron_recover.run.run_folder import record_exit
+    from tests.conftest import make_tiny_config
+
+    config = config_from_dict(make_tiny_config(steps=10, fault_tolerance={"enabled": True}))
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, last_step + 1)))
+    if saved is not None:
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "latest.txt").write_text(f"{saved}\n")
+    for rank, code in enumerate(codes):
+        record_exit(tmp_path, rank, code, "test")
+    return _judge(tmp_path, config, mpirun_rc)
+
+
+def test_the_launcher_exit_code_follows_the_run_not_mpirun(tmp_path: Path) -> None:
+    """A start-up timeout ends the job with every rank's record saying 3 while mpirun returns 1: restart (3), so a
+    wrapper or a requeue relaunches it; a rank that aborted on a bug makes it 2 (a person must look, as for bad
+    input); a finished run is 0."""
+    assert _judged(tmp_path / "startup", 1, [3, 3]) == 3
+    assert _judged(tmp_path / "torn", 0, []) == 3  # a lost node's daemon: mpirun 0, no records
+    assert _judged(tmp_path / "killed", 137, []) == 3
+    assert _judged(tmp_path / "bug", 1, [1, 3]) == 2
+    assert _judged(tmp_path / "badinput", 2, []) == 2
+    assert _judged(tmp_path / "done", 1, [0, 0], last_step=10, saved=10) == 0
+    assert _judged(tmp_path / "final-save-lost", 1, [0, 0], last_step=10, saved=8) == 3

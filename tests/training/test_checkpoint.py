@@ -1,0 +1,140 @@
+"""Checkpoints: save at step k, resume, continue -> the same losses as the uninterrupted run; atomic files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanotron_recover.config import config_from_dict
+from nanotron_recover.launcher.runs import max_relative_param_diff, run_training
+from nanotron_recover.run.run_folder import read_metrics_jsonl, write_atomically
+from nanotron_recover.training.checkpoint import LATEST, STATE_FILE, check_resumable, resolve_checkpoint
+
+STEPS, SAVE_AT = 8, 4
+TIMEOUT_S = 300
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+@pytest.mark.parametrize("ft", [{"enabled": True}, None], ids=["recover", "stock"])
+def test_resume_reproduces_the_uninterrupted_run(ft, tiny_config, tmp_path):
+    config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)
+    full = run_training(config, tmp_path / "full", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert (tmp_path / "full" / "checkpoints" / LATEST).read_text().strip() == str(STEPS)
+
+    config["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "full" / "checkpoints" / str(SAVE_AT))
+    resumed = run_training(config, tmp_path / "resumed", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert f"resumed from {tmp_path / 'full' / 'checkpoints' / str(SAVE_AT)} at step {SAVE_AT}" in resumed.output
+    assert [s["step"] for s in resumed.steps] == list(range(SAVE_AT + 1, STEPS + 1))
+    diff = np.abs(np.array(resumed.losses) - np.array(full.losses[SAVE_AT:])).max()
+    assert diff <= 1e-5, f"resumed losses differ by {diff:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 60)
+def test_the_last_step_is_always_saved_and_a_lost_final_save_is_redone(tiny_config, tmp_path):
+    """The trained model is the job's product: a run whose last step is not a multiple of the interval still ends
+    with it on disk, and a job torn down inside that save (its folder never published, ``latest.txt`` still at the
+    interval's step, every step logged) is a restart for the launcher, whose relaunch writes the same weights."""
+    steps = SAVE_AT + 2
+    config = tiny_config(dp=2, accumulation=2, steps=steps, checkpoint_interval=SAVE_AT,
+                         fault_tolerance={"enabled": True})
+    full = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / LATEST).read_text().strip() == str(steps) and (root / str(SAVE_AT) / STATE_FILE).is_file()
+    shutil.copytree(root / str(steps), tmp_path / "final")
+    # what a teardown between the last step's log line and the final publish leaves on disk
+    shutil.rmtree(root / str(steps))
+    write_atomically(root / LATEST, f"{SAVE_AT}\n")
+    relaunch = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert f"at step {SAVE_AT}" in relaunch.output and (root / LATEST).read_text().strip() == str(steps)
+    logged = [int(r["step"]) for r in read_metrics_jsonl(tmp_path / "run") if "event" not in r]
+    assert logged == [*range(1, steps + 1), *range(SAVE_AT + 1, steps + 1)]  # replayed from the interval's save
+    assert [s["loss"] for s in relaunch.steps] == [s["loss"] for s in full.steps]
+    assert max_relative_param_diff(root / str(steps), tmp_path / "final") <= 1e-6
+
+
+def test_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / STATE_FILE).write_text("{}")
+    write_atomically(tmp_path / LATEST, "4\n")
+    assert resolve_checkpoint(tmp_path) == tmp_path / "4"
+    write_atomically(tmp_path / LATEST, "8\n")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_write_atomically_leaves_no_temporary_file(tmp_path: Path):
+    write_atomically(tmp_path / LATEST, "12\n")
+    write_atomically(tmp_path / LATEST, "13\n")
+    assert [p.name for p in tmp_path.iterdir()] == [LATEST]
+    assert (tmp_path / LATEST).read_text() == "13\n"
+
+
+@pytest.mark.parametrize(
+    "saved, ft, error",
+    [
+        ({"layout": "nanotron"}, {"enabled": True}, None),
+        ({}, None, None),  # a checkpoint from before the layout key: nanotron's format
+        ({"layout": "hsdp", "fsdp_shard_size": 2}, {"replica": "fsdp", "fsdp_shard_size": 2}, None),
+        ({"layout": "hsdp", "fsdp_shard_size": 2}, {"replica": "fsdp", "fsdp_shard_size": 1}, "fsdp_shard_size=1"),
+        ({"layout": "hsdp", "fsdp_shard_size": 2}, {"enabled": True}, "nanotron format"),
+        ({"layout": "nanotron"}, {"replica": "fsdp", "fsdp_shard_size": 2}, "HSDP shards"),
+    ],
+)
+def test_a_checkpoint_resumes_only_in_its_own_layout(saved, ft, error, tiny_config, tmp_path):
+    config = config_from_dict(tiny_config(dp=2, accumulation=2, fault_tolerance=ft))
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 4, "microbatches_per_step": 4, **saved}))
+    if error is None:
+        check_resumable(tmp_path, config)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_resumable(tmp_path, config)
+
+
+@pytest.mark.parametrize(
+    "saved, dtype, error",
+    [
+        ({}, "float32", None),  # a checkpoint from before the dtype key: a float32 run
+        ({"dtype": "bfloat16"}, "bfloat16", None),
+        ({"dtype": "bfloat16"}, "float32", "trained with model.dtype: bfloat16"),
+        ({}, "bfloat16", "trained with model.dtype: float32"),
+    ],
+)
+def test_a_checkpoint_resumes_only_in_its_own_dtype(saved, dtype, error, tiny_config, tmp_path):
+    raw = tiny_config(dp=2, accumulation=2, fault_tolerance={"enabled": True})
+    raw["model"]["dtype"] = dtype
+    config = config_from_dict(raw)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 4, "microbatches_per_step": 4, **saved}))
+    if error is None:
+        check_resumable(tmp_path, config)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_resumable(tmp_path, config)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 60)
+def test_a_run_started_from_resume_checkpoint_path_relaunches_from_its_own_state(tiny_config, tmp_path):
+    """``resume_checkpoint_path`` starts a run; the relaunch after a stop resumes from the run's own state (its
+    checkpoint or node-local snapshot of the last committed step), not from that path again (before: every
+    relaunch was pinned to it, with node-local snapshots off, and recomputed every step since)."""
+    ft = {"enabled": True}
+    config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)
+    full = run_training(config, tmp_path / "full", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    started = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT,
+                          fault_tolerance={**ft, "min_replicas": 2,
+                                           "inject": [{"step": SAVE_AT + 2, "replica": 1, "phase": "backward"}]})
+    started["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "full" / "checkpoints" / str(SAVE_AT))
+    first = run_training(started, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"], check=False)
+    assert first.returncode == 3, first.output[-4000:]  # below min_replicas: stopped after step SAVE_AT + 1
+    again = run_training(started, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    assert f"at step {SAVE_AT + 1}" in again.output and "checkpoints of its own" in again.output, again.output[-4000:]
+    logged = [int(r["step"]) for r in read_metrics_jsonl(tmp_path / "run") if "event" not in r]
+    assert logged == list(range(SAVE_AT + 1, STEPS + 1))  # no step computed twice
+    diff = np.abs(np.array(again.losses) - np.array(full.losses[SAVE_AT:])).max()
+    assert diff <= 1e-5, f"losses differ by {diff:.2e}"

@@ -50,6 +50,9 @@ recover_mpirun_cmd() {
     # --map-by slot: each node's slots filled in rank order, so a node holds whole replicas when its task count
     # is a multiple of the ranks per replica (recover_job.py info warns when it is not)
     MPI_CMD=("$MPIRUN" -n "$RECOVER_WORLD_SIZE" --map-by slot --bind-to none --mca pml ob1)
+    # libfabric's byte transfer layer probes its providers for 1 s in every MPI_Init; ob1 does not need it here
+    # (src/nanotron_recover/launcher/mpirun.py, SKIPPED_BTLS); a btl named in MPIRUN_ARGS or OMPI_MCA_btl wins
+    [[ " ${MPIRUN_ARGS:-} " == *" btl "* || -n ${OMPI_MCA_btl:-} ]] || MPI_CMD+=(--mca btl ^ofi)
     if [[ $mode == ulfm ]]; then
         # ULFM: a dead rank is reported to the others instead of killing the job (mpirun is NOT srun: ULFM
         # cannot be launched by srun; under Slurm mpirun starts its daemons inside the allocation itself)

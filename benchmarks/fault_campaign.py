@@ -98,7 +98,7 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
     """One launch through the user's launcher; ``faults`` are sent from outside at their moments. With ``bed``
     (a fake-node bed already written there) the job runs on its nodes."""
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
-           "--run-dir", str(run_dir), "--synthetic-data"]
+           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", "0"]  # the harness relaunches
     env = {**os.environ, **bed_env(bed)} if bed is not None else None
     t0 = time.monotonic()
     with open(run_dir / "launcher.log", "ab") as log:

@@ -255,7 +255,7 @@ def lose_a_node(out: Path, reference, seed: int, steps: int = STEPS, node: str =
     bed = out / f"bed{seed}"
     bed_env = write_runtime_bed(bed, [2, 2, 2])
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
-           "--run-dir", str(run_dir), "--synthetic-data"]
+           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", "0"]  # the harness relaunches
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **bed_env}, start_new_session=True)

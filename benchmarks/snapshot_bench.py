@@ -37,7 +37,7 @@ from nanotron_recover.run.run_folder import read_metrics  # noqa: E402
 def kill_and_relaunch(config: dict, run_dir: Path, kill_after: int, timeout_s: float) -> dict:
     config_path = write_config(config, run_dir / "config.yaml")
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
-           "--run-dir", str(run_dir), "--synthetic-data"]
+           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", "0"]  # the harness relaunches
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:

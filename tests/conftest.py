@@ -18,6 +18,9 @@ STOCK = Path(__file__).parent / "fixtures" / "stock_nanotron.yaml"
 # start-up on 2 cores; the tests of the wandb copy (tests/training/test_metrics.py, the main job, a logging rank's
 # handover in a fault, the campaign slice) turn it back on with WANDB_MODE=offline, the users' default
 os.environ.setdefault("WANDB_MODE", "disabled")
+# the fault tests judge one launch each (the exit code a scheduler sees); the launcher's own relaunch in place has
+# tests of its own (tests/launcher/test_relaunch.py), which name --max-restarts
+os.environ.setdefault("NANOTRON_RECOVER_MAX_RESTARTS", "0")
 # NANOTRON_RECOVER_TEST_DATA_PLANE=torch runs every fault-tolerant job of the suite whose config does not name a
 # data plane on the torch one (docs/data-plane.md: the fault suites on both planes)
 TEST_DATA_PLANE = os.environ.get("NANOTRON_RECOVER_TEST_DATA_PLANE")

@@ -29,7 +29,8 @@ def launcher_command(config_path: Path, run_dir: Path) -> list[str]:
     """The user's command: the ``nanotron-recover`` console script next to this Python."""
     script = Path(sys.executable).parent / "nanotron-recover"
     head = [str(script)] if script.exists() else [sys.executable, "-m", "nanotron_recover.launcher.launch"]
-    return [*head, "train", "--config-file", str(config_path), "--run-dir", str(run_dir)]
+    # the harness relaunches (as a scheduler's requeue would), each launch judged on its own
+    return [*head, "train", "--config-file", str(config_path), "--run-dir", str(run_dir), "--max-restarts", "0"]
 
 
 class Metrics:

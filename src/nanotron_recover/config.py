@@ -115,6 +115,9 @@ class FaultToleranceArgs:
             this long to commit the step in flight, snapshot it and exit 3
             (:mod:`nanotron_recover.process.stop_request`); then the launcher ends it at once. Keep it below the
             scheduler's grace (Slurm: ``KillWait``, 30 s).
+        standby: ``auto`` (default): while a job trains, the launcher keeps the next one ready beside it (its ranks
+            imported and waiting before MPI is initialized), so that an in-place relaunch starts seconds sooner;
+            only where memory allows (:mod:`nanotron_recover.launcher.relaunch`). ``off``: every relaunch is cold.
         checkpoint_on_stop: also write a disk checkpoint of the last step at a graceful stop (the node-local
             snapshot is written either way; with ``local_snapshot_interval: 0`` the checkpoint is written instead).
     """
@@ -149,6 +152,7 @@ class FaultToleranceArgs:
     mpi_wait: str = "auto"
     stop_grace_s: float = 25.0
     checkpoint_on_stop: bool = False
+    standby: str = "auto"
 
 
 @dataclass
@@ -340,6 +344,7 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be >= 1 second (or null for the default), got {ft.hang_timeout_s}")
     _check(ft.finalize_timeout_s >= 1, "fault_tolerance.finalize_timeout_s",
            f"must be >= 1 second, got {ft.finalize_timeout_s}")
+    _check(ft.standby in ("auto", "off"), "fault_tolerance.standby", f"must be auto or off, got {ft.standby!r}")
     _check(ft.stop_grace_s >= 1, "fault_tolerance.stop_grace_s", f"must be >= 1 second, got {ft.stop_grace_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")

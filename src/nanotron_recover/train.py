@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nanotron_recover.launcher.overrides import add_override_args
+from nanotron_recover.process.standby_rank import standby_folder, wait_until_released
 from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard
 from nanotron_recover.process.stop_request import STOP
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
@@ -29,8 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanotron_recover.train", description=__doc__)
     add_override_args(parser)
     args = parser.parse_args(argv)
-    guard = arm_startup_guard(args.config_file, args.run_dir)
     STOP.install()  # a stop signal from now on ends the job at a step boundary (stop_request.py)
+    standby = standby_folder()
+    if standby is not None:  # a warm standby: the imports now, MPI and the rest once released (standby_rank.py)
+        wait_until_released(standby, prepare=_import_training_stack)
+    guard = arm_startup_guard(args.config_file, args.run_dir)
 
     from nanotron_recover.config import ConfigError
     from nanotron_recover.launcher.overrides import load_effective_config
@@ -77,8 +81,23 @@ def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
     return code
 
 
+def _import_training_stack() -> None:
+    """What a rank imports before it trains, less MPI's initialization (a warm standby's head start)."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    from mpi4py import MPI  # noqa: F401 - loaded, not initialized
+
+    import nanotron_recover.hsdp.strategy  # noqa: F401
+    import nanotron_recover.recovery.lifecycle  # noqa: F401
+    import nanotron_recover.training.trainer  # noqa: F401
+
+
 def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None) -> int:
-    from mpi4py import MPI  # noqa: F401 - MPI_Init
+    from mpi4py import MPI  # MPI_Init, unless a warm standby imported it uninitialized
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
 
     if guard is not None:
         guard.injector.maybe_fail(0, "startup:after_mpi_init")

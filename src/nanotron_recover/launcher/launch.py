@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from nanotron_recover.launcher.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.launcher.overrides import add_override_args, forwarded_args, load_effective_config
@@ -33,10 +33,8 @@ from nanotron_recover.run.run_folder import (
 )
 
 if TYPE_CHECKING:
-    import subprocess
-
     from nanotron_recover.config import RecoverConfig
-    from nanotron_recover.launcher.mpirun_watch import MpirunWatch
+    from nanotron_recover.launcher.relaunch import Relauncher
     from nanotron_recover.process.stop_request import LauncherStop
 
 
@@ -49,9 +47,7 @@ PRRTE_STARTUP_FAILURES = (
     "A daemon failed to report back after being spawned",
 )
 LAUNCH_RETRIES = 2
-WATCH_EVERY_S = 0.5  # how often the launcher looks at a running mpirun
 LAUNCH_RETRY_PAUSE_S = 2.0
-OUTPUT_TAIL_BYTES = 16384
 
 
 def resolve_run_name(template: str | None) -> str:
@@ -112,17 +108,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except RunFolderBusy as e:
         print(f"nanotron-recover: error: {e}", file=sys.stderr, flush=True)
         return EXIT_NEEDS_PERSON
-    begin_launch(run_dir, launch_record(config, by="nanotron-recover train"))
     mode = "ReCoVer (ULFM)" if config.ft_enabled else "stock nanotron data path"
     if config.sharded_replicas:
         mode += f", HSDP replicas of {config.ranks_per_replica} FSDP shards"
     print(f"[nanotron-recover] {config.world_size} ranks, {mode}, run dir {run_dir}", flush=True)
+    return _relauncher(args, cmd, config, run_dir, lock).run()
+
+
+def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig", run_dir: Path,
+                lock: int) -> "Relauncher":
+    """The launches of this command (:mod:`nanotron_recover.launcher.relaunch`)."""
     from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
+    from nanotron_recover.launcher.relaunch import JobSpec, Relauncher, max_restarts_setting, standby_fits
 
     ft = config.fault_tolerance or FaultToleranceArgs()
-    rc = launch_with_retries(cmd, run_dir, finalize_timeout_s=ft.finalize_timeout_s, pass_fds=(lock,),
-                             stop_grace_s=ft.stop_grace_s if config.ft_enabled else None)
-    return _judge(run_dir, config, rc, args.max_startup_failures)
+    grace = ft.stop_grace_s if config.ft_enabled else None
+    restarts = args.max_restarts if args.max_restarts is not None else max_restarts_setting()
+    standby = config.ft_enabled and restarts > 0 and ft.standby == "auto" and standby_fits(config.world_size)
+    spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby)
+
+    def begin(warm: bool) -> None:
+        begin_launch(run_dir, {**launch_record(config, by="nanotron-recover train"), "warm": warm})
+
+    def cold(launch_cmd: list[str], stop: "LauncherStop", on_tick: Callable[[], None]) -> int:
+        return launch_with_retries(launch_cmd, run_dir, finalize_timeout_s=ft.finalize_timeout_s, pass_fds=(lock,),
+                                   stop_grace_s=grace, stop=stop, on_tick=on_tick)
+
+    return Relauncher(spec, judge=lambda rc: _judge(run_dir, config, rc, args.max_startup_failures), begin=begin,
+                      launch_cold=cold)
 
 
 def launch_record(config: "RecoverConfig", by: str) -> dict:
@@ -137,42 +150,31 @@ def launch_record(config: "RecoverConfig", by: str) -> dict:
 
 def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RETRIES,
                         finalize_timeout_s: float = 60.0, pass_fds: tuple[int, ...] = (),
-                        stop_grace_s: float | None = None) -> int:
-    """Run ``cmd`` (mpirun); launch it again when PRRTE itself failed to start and no rank wrote anything.
-    ``stop_grace_s``: how long a stop signal leaves the job to stop by itself (None: the stock path)."""
+                        stop_grace_s: float | None = None, stop: "LauncherStop | None" = None,
+                        on_tick: "Callable[[], None] | None" = None) -> int:
+    """Run ``cmd`` (mpirun, :class:`~nanotron_recover.launcher.mpirun_job.MpirunJob`); launch it again when PRRTE
+    itself failed to start and no rank wrote anything. ``stop_grace_s``: how long a stop signal leaves the job to
+    stop by itself (None: the stock path); ``stop``: the launcher's stop handling (made here if None)."""
+    from nanotron_recover.launcher.mpirun_job import MpirunJob
+    from nanotron_recover.process.stop_request import LauncherStop
+
+    if stop is None:
+        stop = LauncherStop(None, stop_grace_s, say=lambda line: print(f"[nanotron-recover] {line}",
+                                                                       file=sys.stderr, flush=True))
+        stop.install()
     for attempt in range(1 + retries):
         started = time.time()
-        rc, tail = _run_forwarding_signals(cmd, run_dir, finalize_timeout_s, pass_fds, stop_grace_s)
-        failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, tail)
-        if failure is None or attempt == retries:
+        # the run folder's lock goes with mpirun: held while the job lives, even if the launcher is killed
+        job = MpirunJob(cmd, graceful=stop_grace_s is not None, pass_fds=pass_fds)
+        stop.attach(job.proc)
+        rc = job.wait(run_dir, finalize_timeout_s, stop, on_tick)
+        failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, job.tail())
+        if failure is None or attempt == retries or stop.requested:
             return rc
         print(f"[nanotron-recover] mpirun failed before any rank started ({failure!r}): launching again "
               f"({attempt + 1}/{retries})", file=sys.stderr, flush=True)
         time.sleep(LAUNCH_RETRY_PAUSE_S)
     return rc
-
-
-def _wait_watching(proc: "subprocess.Popen", watch: "MpirunWatch | None", stop: "LauncherStop | None" = None) -> int:
-    """mpirun's return code; a frozen or stuck mpirun is ended when the watch says so, a job that does not stop
-    within the grace after a stop signal when ``stop`` says so."""
-    import subprocess
-
-    from nanotron_recover.launcher.mpirun_watch import end_mpirun
-
-    while True:
-        try:
-            return proc.wait(timeout=WATCH_EVERY_S)
-        except subprocess.TimeoutExpired:
-            if stop is not None:
-                stop.overdue()
-            why = watch.overdue() if watch is not None else None
-            if why is not None:
-                print(f"[nanotron-recover] {why}: ending it (SIGKILL); the run is judged by what it wrote",
-                      file=sys.stderr, flush=True)
-                end_mpirun(proc.pid)
-                watch = None
-        except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
-            continue
 
 
 def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
@@ -182,64 +184,6 @@ def launch_failure(mpirun_rc: int, output_tail: bytes) -> str | None:
         return None
     text = output_tail.decode(errors="replace")
     return next((m for m in PRRTE_STARTUP_FAILURES if m in text), None)
-
-
-def _run_forwarding_signals(cmd: list[str], run_dir: Path | None = None, finalize_timeout_s: float = 60.0,
-                            pass_fds: tuple[int, ...] = (), stop_grace_s: float | None = None) -> tuple[int, bytes]:
-    """Run mpirun as a child (not exec: its return code alone says too little, see :func:`_judge`); a stop signal
-    sent to the launcher stops the job gracefully (:class:`~nanotron_recover.process.stop_request.LauncherStop`;
-    the stock path: mpirun ends it at once). Its output passes through
-    unchanged; the return code comes back with the last bytes of it (for :func:`launch_failure`). A frozen or
-    stuck mpirun is ended within a bound (:mod:`nanotron_recover.launcher.mpirun_watch`), never waited on for ever."""
-    import signal
-    import subprocess
-    import threading
-
-    from nanotron_recover.launcher.mpirun_watch import MpirunWatch
-    from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
-    from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
-
-    # the run folder's lock goes with mpirun: held while the job lives, even if the launcher is killed
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_for_mpirun(stop_grace_s is not None))
-    try:  # mpirun inherits the mask; signals to the launcher meanwhile wait for the handlers below
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds)
-        stop = LauncherStop(proc, stop_grace_s, say=lambda line: print(f"[nanotron-recover] {line}",
-                                                                       file=sys.stderr, flush=True))
-        stop.install()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-    tail = bytearray()
-    lock = threading.Lock()
-    filters = [NoiseFilter(), NoiseFilter()]
-
-    def pump(source, sink, noise: NoiseFilter) -> None:
-        def write(data: bytes) -> None:
-            try:
-                sink.write(data)
-                sink.flush()
-            except (OSError, ValueError):  # our own output is gone: keep draining, or mpirun would block
-                pass
-
-        while chunk := os.read(source.fileno(), 65536):
-            write(noise.feed(chunk))
-            with lock:
-                tail.extend(chunk)
-                del tail[:-OUTPUT_TAIL_BYTES]
-        write(noise.flush())
-
-    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, filters[0]), daemon=True),
-             threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, filters[1]), daemon=True)]
-    for thread in pumps:
-        thread.start()
-    rc = _wait_watching(proc, MpirunWatch(proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None,
-                        stop)
-    for thread in pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us here
-        thread.join(5.0)
-    summary = noise_summary(sum(f.dropped for f in filters))
-    if summary is not None:
-        print(summary, file=sys.stderr, flush=True)
-    with lock:
-        return rc, bytes(tail)
 
 
 def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_failures: int | None = None) -> int:
@@ -291,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-startup-failures", type=int, default=None, metavar="N",
                        help="exit 2 (not 3: no requeue) once the same start-up failure ended N launches of this run "
                             "folder in a row (default: $NANOTRON_RECOVER_MAX_STARTUP_FAILURES or 3; 0: never)")
+    train.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                       help="relaunch in place (from a warm standby when one is ready) up to N times when the job "
+                            "ends with the restart outcome, then exit 3 for the scheduler (default: "
+                            "$NANOTRON_RECOVER_MAX_RESTARTS or 3; 0: exit 3 at once)")
     train.set_defaults(func=_cmd_train)
     from nanotron_recover.data.prepare import add_prepare_arguments
 

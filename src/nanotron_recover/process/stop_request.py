@@ -79,12 +79,26 @@ class LauncherStop:
     forwards it to every rank, on every node; the job then has ``grace_s`` to stop by itself. A second SIGTERM or
     SIGINT, a SIGHUP, or the grace running out ends ``mpirun`` at once (SIGHUP: ``mpirun`` then ends the job; it
     was started with SIGTERM and SIGINT blocked, so that a signal sent to every process of the job, as Slurm does,
-    leaves the ending to the ranks). ``grace_s`` None: the stock path, where every signal ends the job at once."""
+    leaves the ending to the ranks). ``grace_s`` None: the stock path, where every signal ends the job at once.
+    ``proc``: the running ``mpirun`` (:meth:`attach` the next one after an in-place relaunch; a stop asked for in
+    between reaches it when attached, and no further relaunch happens: :attr:`requested`)."""
 
     def __init__(self, proc: Any, grace_s: float | None, say: Callable[[str], None]) -> None:
         self.proc, self.grace_s, self.say = proc, grace_s, say
         self.deadline: float | None = None
         self.ended = False
+
+    @property
+    def requested(self) -> bool:
+        """A stop signal came: the launcher ends with the job, it does not relaunch."""
+        return self.deadline is not None or self.ended
+
+    def attach(self, proc: Any) -> None:
+        self.proc = proc
+        if self.ended:
+            self._send(signal.SIGHUP if self.grace_s is not None else signal.SIGTERM)
+        elif self.deadline is not None:
+            self._send(signal.SIGUSR1)
 
     def install(self) -> None:
         for signum in (*STOP_SIGNALS, signal.SIGHUP):
@@ -114,6 +128,8 @@ class LauncherStop:
             self._send(signal.SIGHUP if self.grace_s is not None else signal.SIGTERM)
 
     def _send(self, signum: int) -> None:
+        if self.proc is None:  # between two launches: :meth:`attach` passes it on
+            return
         try:
             self.proc.send_signal(signum)
         except (ProcessLookupError, OSError):  # mpirun is gone already

@@ -1,0 +1,122 @@
+"""One ``mpirun`` of the launcher: started, its output passed on, waited for within bounds.
+
+Started with SIGTERM and SIGINT blocked on the resilient path (the ranks stop by themselves, see
+:mod:`nanotron_recover.process.stop_request`), optionally with a parent-death signal (a warm standby must never
+outlive its launcher). Its output passes through unchanged but for Open MPI's repair noise (counted), and its
+last bytes are kept (a PRRTE start-up failure is recognized in them). The wait ends a frozen or stuck ``mpirun``
+within a bound (:mod:`nanotron_recover.launcher.mpirun_watch`) and a job that outlives its stop grace.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from nanotron_recover.launcher.mpirun_watch import MpirunWatch, end_mpirun
+from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
+from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
+
+WATCH_EVERY_S = 0.5  # how often the launcher looks at a running mpirun
+OUTPUT_TAIL_BYTES = 16384
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    """In the child, before exec: SIGHUP when the launcher's thread that started it ends (mpirun then ends its
+    ranks), so that a SIGKILLed launcher leaves no standby behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
+
+
+class MpirunJob:
+    """``mpirun`` as a child (not exec: its return code alone says too little, the run folder is judged)."""
+
+    def __init__(self, cmd: Sequence[str], *, graceful: bool, pass_fds: tuple[int, ...] = (),
+                 env: Mapping[str, str] | None = None, die_with_launcher: bool = False) -> None:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_for_mpirun(graceful))
+        try:  # mpirun inherits the mask; a signal to the launcher meanwhile waits for its handler
+            self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         pass_fds=pass_fds, env=None if env is None else {**os.environ, **env},
+                                         preexec_fn=_die_with_launcher if die_with_launcher else None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        self.started = time.time()
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._filters = [NoiseFilter(), NoiseFilter()]
+        self._pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout.buffer, f), daemon=True)
+                       for f in self._filters[:1]]
+        self._pumps.append(threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr.buffer,
+                                                                     self._filters[1]), daemon=True))
+        for thread in self._pumps:
+            thread.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self) -> bytes:
+        with self._lock:
+            return bytes(self._tail)
+
+    def _pump(self, source, sink, noise: NoiseFilter) -> None:
+        def write(data: bytes) -> None:
+            try:
+                sink.write(data)
+                sink.flush()
+            except (OSError, ValueError):  # our own output is gone: keep draining, or mpirun would block
+                pass
+
+        while chunk := os.read(source.fileno(), 65536):
+            write(noise.feed(chunk))
+            with self._lock:
+                self._tail.extend(chunk)
+                del self._tail[:-OUTPUT_TAIL_BYTES]
+        write(noise.flush())
+
+    def wait(self, run_dir: Path | None, finalize_timeout_s: float, stop: LauncherStop | None = None,
+             on_tick: Callable[[], None] | None = None) -> int:
+        """mpirun's return code. Meanwhile, every :data:`WATCH_EVERY_S`: the stop's grace, the watch over a frozen
+        or stuck mpirun, and ``on_tick`` (the launcher starts its warm standby from there)."""
+        watch = MpirunWatch(self.proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None
+        while True:
+            try:
+                rc = self.proc.wait(timeout=WATCH_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                if stop is not None:
+                    stop.overdue()
+                why = watch.overdue() if watch is not None else None
+                if why is not None:
+                    print(f"[nanotron-recover] {why}: ending it (SIGKILL); the run is judged by what it wrote",
+                          file=sys.stderr, flush=True)
+                    end_mpirun(self.proc.pid)
+                    watch = None
+                if on_tick is not None:
+                    on_tick()
+            except KeyboardInterrupt:  # pragma: no cover - SIGINT has a handler while a job runs
+                continue
+        for thread in self._pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us
+            thread.join(5.0)
+        summary = noise_summary(sum(f.dropped for f in self._filters))
+        if summary is not None:
+            print(summary, file=sys.stderr, flush=True)
+        return rc
+
+    def end(self, timeout_s: float = 10.0) -> None:
+        """End it now (SIGHUP: mpirun ends its ranks; SIGKILL if it does not go)."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGHUP)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            end_mpirun(self.proc.pid)
+            self.proc.wait(timeout=timeout_s)

@@ -1,0 +1,160 @@
+"""The launcher's in-place relaunch, from a warm standby when one is ready.
+
+A job that ends with the restart outcome (too few replicas, a lost node or ``mpirun``, a start-up fault) is
+launched again by the launcher itself, up to ``--max-restarts`` times (each launch recorded in the run folder);
+only then, or when a stop signal asked the job to end (the scheduler wants the nodes), does the launcher exit 3
+for the scheduler's requeue. While a job trains, the next one waits beside it as a warm standby
+(:mod:`nanotron_recover.process.standby_rank`): released when the job ends, it skips the launcher's and the
+ranks' start-up (mpirun, interpreters, imports); a standby that is not ready or has died gives way to a cold
+launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allows (:func:`standby_fits`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from nanotron_recover.launcher.mpirun_job import MpirunJob
+from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
+from nanotron_recover.process.stop_request import LauncherStop
+from nanotron_recover.run.exit_codes import EXIT_RESTART
+from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path
+
+MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
+DEFAULT_MAX_RESTARTS = 3
+STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
+
+
+@dataclass
+class JobSpec:
+    """What every launch of one ``nanotron-recover train`` shares."""
+
+    cmd: list[str]
+    run_dir: Path
+    world_size: int
+    pass_fds: tuple[int, ...]
+    finalize_timeout_s: float
+    stop_grace_s: float | None  # None: the stock path (no graceful stop, no standby)
+    max_restarts: int
+    standby: bool
+
+
+def max_restarts_setting() -> int:
+    """``NANOTRON_RECOVER_MAX_RESTARTS`` (default 3; 0: every restart outcome goes to the scheduler)."""
+    import os
+
+    value = os.environ.get(MAX_RESTARTS_ENV, "").strip()
+    return int(value) if value.isdigit() else DEFAULT_MAX_RESTARTS
+
+
+def say(line: str) -> None:
+    print(f"[nanotron-recover] {line}", file=sys.stderr, flush=True)
+
+
+def with_launch_token(cmd: list[str], token: str) -> list[str]:
+    """``cmd`` with a fresh launch token (the temporary names of its checkpoint writers are its own)."""
+    return [f"{LAUNCH_TOKEN_ENV}={token}" if part.startswith(f"{LAUNCH_TOKEN_ENV}=") else part for part in cmd]
+
+
+def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool:
+    """``auto``: a standby of ``world_size`` ranks fits beside the job in the memory available now, with room."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return False
+    return available_gb > 2.0 * world_size * STANDBY_RSS_GB + 2.0
+
+
+class Standby:
+    """The next job, started now with the same launch line, waiting before MPI is initialized."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        import os
+
+        self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
+        self.world_size = spec.world_size
+        env = ["-x", f"{STANDBY_ENV}={self.folder}", "-x", f"{LAUNCHER_PID_ENV}={os.getpid()}"]
+        cmd = with_launch_token(spec.cmd, secrets.token_hex(4))
+        self.job = MpirunJob([cmd[0], *env, *cmd[1:]], graceful=spec.stop_grace_s is not None,
+                             pass_fds=spec.pass_fds, die_with_launcher=True)
+
+    def ready(self) -> bool:
+        return self.job.proc.poll() is None and all(ready_file(self.folder, r).exists()
+                                                     for r in range(self.world_size))
+
+    def release(self) -> MpirunJob:
+        (self.folder / RELEASE).touch()
+        return self.job
+
+    def cancel(self) -> None:
+        (self.folder / CANCEL).touch()
+        self.job.end()
+        self.remove()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Relauncher:
+    """Launch, judge, relaunch in place (warm when a standby is ready) until done or out of restarts."""
+
+    def __init__(self, spec: JobSpec, judge: Callable[[int], int], begin: Callable[[bool], None],
+                 launch_cold: Callable[[list[str], LauncherStop, Callable[[], None]], int]) -> None:
+        self.spec, self.judge, self.begin, self.launch_cold = spec, judge, begin, launch_cold
+        self.stop = LauncherStop(None, spec.stop_grace_s, say=say)
+        self.standby: Standby | None = None
+        self._job_started = 0.0
+        self._metrics_size = 0
+
+    def run(self) -> int:
+        self.stop.install()
+        restarts = 0
+        try:
+            while True:
+                code = self._one_launch()
+                if code != EXIT_RESTART or self.stop.requested or restarts >= self.spec.max_restarts:
+                    return code
+                restarts += 1
+                how = "from the warm standby" if self.standby is not None and self.standby.ready() else "cold"
+                say(f"relaunching in place {how} (restart {restarts} of --max-restarts {self.spec.max_restarts})")
+        finally:
+            if self.standby is not None:
+                self.standby.cancel()
+
+    def _one_launch(self) -> int:
+        standby, self.standby = self.standby, None
+        self._mark_start()
+        if standby is not None and standby.ready():
+            self.begin(True)
+            job = standby.release()
+            self.stop.attach(job.proc)
+            rc = job.wait(self.spec.run_dir, self.spec.finalize_timeout_s, self.stop, self._tick)
+            standby.remove()
+        else:
+            if standby is not None:
+                say("the warm standby is not ready (a rank died or is still starting): a cold launch")
+                standby.cancel()
+            self.begin(False)
+            rc = self.launch_cold(with_launch_token(self.spec.cmd, secrets.token_hex(4)), self.stop, self._tick)
+        return self.judge(rc)
+
+    def _mark_start(self) -> None:
+        self._job_started = time.monotonic()
+        path = metrics_path(self.spec.run_dir)
+        self._metrics_size = path.stat().st_size if path.exists() else 0
+
+    def _tick(self) -> None:
+        """While a job runs: start the standby once the job has logged something (its start-up, which the
+        standby's would slow down, is over)."""
+        if not self.spec.standby or self.standby is not None or self.stop.requested or self.spec.max_restarts < 1:
+            return
+        path = metrics_path(self.spec.run_dir)
+        if path.exists() and path.stat().st_size > self._metrics_size:
+            self.standby = Standby(self.spec)

@@ -92,7 +92,7 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     if not config.ft_enabled or ft.local_snapshot_interval == 0:
         return
     from nanotron_recover.run.run_folder import run_id
-    from nanotron_recover.snapshots.local_snapshot import reserved_bytes, snapshot_folder
+    from nanotron_recover.snapshots.store import reserved_bytes, snapshot_folder
     from nanotron_recover.training.memory import snapshot_bytes_per_rank
 
     folder = Path(ft.local_snapshot_dir)

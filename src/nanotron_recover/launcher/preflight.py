@@ -88,14 +88,16 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     """Before launch: three snapshots per rank (two complete, one being written) of this node must fit
     ``local_snapshot_max_gb`` and the free space of ``local_snapshot_dir`` (this run's own older snapshots there count
     as free: they are replaced)."""
-    ft = config.fault_tolerance
-    if not config.ft_enabled or ft.local_snapshot_interval == 0:
+    from nanotron_recover.snapshots.settings import SnapshotSettings
+
+    if not config.ft_enabled or not SnapshotSettings.of(config).enabled:
         return
+    settings = SnapshotSettings.of(config)
     from nanotron_recover.run.run_folder import run_id
     from nanotron_recover.snapshots.store import reserved_bytes, snapshot_folder
     from nanotron_recover.training.memory import snapshot_bytes_per_rank
 
-    folder = Path(ft.local_snapshot_dir)
+    folder = settings.folder
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -110,12 +112,12 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     # the new one is complete); never all of the folder's space (Open MPI and NCCL shared memory live there too)
     need = 3 * ranks_per_node * snapshot_bytes_per_rank(config)
     usable = free - reserved_bytes(existing)
-    limit = free / 2 if ft.local_snapshot_max_gb is None else min(usable, ft.local_snapshot_max_gb * 2**30)
+    limit = free / 2 if settings.max_gb is None else min(usable, settings.max_gb * 2**30)
     if need > limit:
         raise ConfigError(
             f"fault_tolerance.local_snapshot_*: three snapshots for each of {ranks_per_node} rank(s) per node need "
             f"{need / 2**30:.2f} GiB, more than {limit / 2**30:.2f} GiB (local_snapshot_max_gb "
-            f"{ft.local_snapshot_max_gb}, {free / 2**30:.2f} GiB free in {existing}): raise local_snapshot_max_gb, "
+            f"{settings.max_gb}, {free / 2**30:.2f} GiB free in {existing}): raise local_snapshot_max_gb, "
             "point local_snapshot_dir at a larger node-local folder, or set local_snapshot_interval: 0"
         )
 

@@ -50,6 +50,7 @@ from nanotron_recover.run.run_folder import ensure_run_id
 from nanotron_recover.snapshots.catalog import _FILE, SUFFIX, Key, Snapshot, by_key, scan
 from nanotron_recover.snapshots.format import _raw_bytes, extras_of, payload_checksum, verify_file
 from nanotron_recover.snapshots.relaunch import _stream, choose_snapshot, transfer_plan
+from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import (
     STALE_AFTER_ENV,
     STALE_AFTER_S,
@@ -96,11 +97,11 @@ class LocalSnapshots:
 
     def __init__(self, config: Any, run_dir: Path, ft: Any, replica: int, coord: int,
                  log: Callable[[str], None] = print) -> None:
-        self.setting = config.fault_tolerance.local_snapshot_interval  # 0: off; which steps: the SnapshotSchedule
+        self.settings = SnapshotSettings.of(config)  # on or off; which steps: the SnapshotSchedule
         self.config_hash = config_hash(config)
         self.coords = range(config.ranks_per_replica)
         self.ft, self.replica, self.coord, self.log = ft, replica, coord, log
-        self.base = Path(config.fault_tolerance.local_snapshot_dir)
+        self.base = self.settings.folder
         self.history: str | None = None
         self._writer: SnapshotWriter | None = None
         self.off_reason: str | None = None
@@ -122,7 +123,7 @@ class LocalSnapshots:
 
     @property
     def enabled(self) -> bool:
-        return self.setting != 0
+        return self.settings.enabled
 
     @property
     def writing(self) -> bool:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from nanotron_recover.snapshots.settings import SnapshotSettings
+
 NODE_NAME_ENV = "NANOTRON_RECOVER_NODE_NAME"  # set by a test bed's stand-in for ssh; else the host name
 STALE_AFTER_ENV = "NANOTRON_RECOVER_SNAPSHOT_STALE_S"
 STALE_AFTER_S = 3 * 24 * 3600.0  # another run's folder untouched this long: its run crashed and was not relaunched
@@ -71,7 +73,7 @@ def config_hash(config: Any) -> str:
 
 def snapshot_folder(config: Any, run_id: str) -> Path:
     """This node's folder of the snapshots of run ``run_id``."""
-    return Path(config.fault_tolerance.local_snapshot_dir) / run_id / node_name()
+    return SnapshotSettings.of(config).folder / run_id / node_name()
 
 
 def private_dir(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Run-time input checks and command-line overrides, applied before any rank starts (and again on each rank).
+"""Run-time input checks, applied before any rank starts (and again on each rank).
 
 Stock nanotron YAMLs may ask for what this project cannot give offline (a hub dataset, float16 without a loss scaler,
 nanotron 0.4's async REDUCE_SCATTER TP, which computes wrong input gradients: upstream bug #46, fixed after 0.4).
@@ -17,27 +17,10 @@ import torch
 from nanotron.config import PretrainDatasetsArgs
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-from nanotron_recover.config import ConfigError, RecoverConfig, RecoverDataArgs, TokenizedDatasetArgs
+from nanotron_recover.config import ConfigError, RecoverConfig, TokenizedDatasetArgs
 from nanotron_recover.training.checkpoint import check_resumable, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
-
-
-def apply_overrides(
-    config: RecoverConfig, *, data_folder: str | None, synthetic_data: bool, train_steps: int | None
-) -> None:
-    if data_folder or synthetic_data:
-        seed = config.data.seed if config.data is not None else config.general.seed
-        dataset = TokenizedDatasetArgs(dataset_folder=str(data_folder)) if data_folder else None
-        config.data = RecoverDataArgs(dataset=dataset, seed=seed)
-    if train_steps is not None:
-        if train_steps < 1:
-            raise ConfigError(f"--train-steps must be >= 1, got {train_steps}")
-        config.tokens.train_steps = train_steps
-        lr = config.optimizer.learning_rate_scheduler if config.optimizer else None
-        if lr is not None and lr.lr_decay_steps is not None \
-                and lr.lr_decay_steps + (lr.lr_warmup_steps or 0) > train_steps:
-            lr.lr_decay_steps = max(1, train_steps - (lr.lr_warmup_steps or 0))
 
 
 def check_runtime_inputs(config: RecoverConfig) -> list[str]:

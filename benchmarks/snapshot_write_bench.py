@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     args = ap.parse_args(argv)
     import torch
 
-    from nanotron_recover.snapshots.local_snapshot import SnapshotWriter
+    from nanotron_recover.snapshots.writer import SnapshotWriter
 
     folder = Path(tempfile.mkdtemp(dir=args.dir, prefix="snapshot-write-bench-"))
     try:

@@ -20,7 +20,7 @@ from nanotron_recover.config import config_from_dict
 from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.run_folder import latest_checkpoint_step, read_metrics, run_id
-from nanotron_recover.snapshots.local_snapshot import NODE_NAME_ENV, snapshot_folder
+from nanotron_recover.snapshots.store import NODE_NAME_ENV, snapshot_folder
 from nanotron_recover.testbed.fake_nodes import write_bed
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 

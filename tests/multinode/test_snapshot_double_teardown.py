@@ -32,13 +32,9 @@ import pytest
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.run_folder import read_metrics, run_id
-from nanotron_recover.snapshots.local_snapshot import (
-    NODE_NAME_ENV,
-    config_hash,
-    payload_checksum,
-    scan,
-    snapshot_folder,
-)
+from nanotron_recover.snapshots.catalog import scan
+from nanotron_recover.snapshots.format import payload_checksum
+from nanotron_recover.snapshots.store import NODE_NAME_ENV, config_hash, snapshot_folder
 from nanotron_recover.testbed.fake_nodes import kill_node, write_bed
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 

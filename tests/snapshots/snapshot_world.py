@@ -12,7 +12,9 @@ from typing import Iterator
 
 import torch
 
-from nanotron_recover.snapshots.local_snapshot import SnapshotWriter, _group_settings, private_tree, snapshot_folder
+from nanotron_recover.snapshots.local_snapshot import _group_settings
+from nanotron_recover.snapshots.store import private_tree, snapshot_folder
+from nanotron_recover.snapshots.writer import SnapshotWriter
 from nanotron_recover.training.training_state import ensure_adam_state, state_tensors
 
 
@@ -65,7 +67,7 @@ def write_line(folder: Path, run_id: str, config_hash: str, coord: int, history:
 
 def node_folder(cfg: types.SimpleNamespace, run_id: str, node: str, monkeypatch) -> Path:
     """Node ``node``'s private snapshot folder of the run (made as that node's ranks would)."""
-    from nanotron_recover.snapshots.local_snapshot import NODE_NAME_ENV
+    from nanotron_recover.snapshots.store import NODE_NAME_ENV
 
     monkeypatch.setenv(NODE_NAME_ENV, node)
     folder = snapshot_folder(cfg, run_id)

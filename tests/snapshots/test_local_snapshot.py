@@ -20,18 +20,10 @@ from hypothesis import strategies as st
 from nanotron_recover.config import ConfigError, config_from_dict
 from nanotron_recover.launcher.preflight import check_local_snapshot_budget
 from nanotron_recover.run.run_folder import ensure_run_id, run_id
-from nanotron_recover.snapshots.local_snapshot import (
-    KEEP,
-    WRITE_PIECE_BYTES,
-    SnapshotWriter,
-    choose_snapshot,
-    encode_header,
-    parse,
-    payload_checksum,
-    scan,
-    transfer_plan,
-    unpack_into,
-)
+from nanotron_recover.snapshots.catalog import scan
+from nanotron_recover.snapshots.format import WRITE_PIECE_BYTES, encode_header, parse, payload_checksum, unpack_into
+from nanotron_recover.snapshots.relaunch import choose_snapshot, transfer_plan
+from nanotron_recover.snapshots.writer import KEEP, SnapshotWriter
 from tests.conftest import make_tiny_config
 
 RUN, CONFIG = "run-a", "cfg-a"
@@ -247,7 +239,7 @@ def test_a_chosen_snapshot_can_always_be_served_to_every_rank_from_one_history(o
 # ------------------------------------------------------------------------------------------- a kill mid-write
 WRITER = """
 import sys, torch
-from nanotron_recover.snapshots.local_snapshot import SnapshotWriter
+from nanotron_recover.snapshots.writer import SnapshotWriter
 writer = SnapshotWriter(sys.argv[1], "r0-c0", run_id="run-a", config_hash="cfg-a", coord=0)
 big = torch.empty(16 * 2**20 // 4, dtype=torch.float32)
 step = 0
@@ -299,7 +291,7 @@ def test_the_snapshot_budget_never_takes_the_whole_folder(tmp_path):
     (a tenth of the file system stays free)."""
     import shutil
 
-    from nanotron_recover.snapshots.local_snapshot import reserved_bytes
+    from nanotron_recover.snapshots.store import reserved_bytes
 
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -20,7 +20,7 @@ import pytest
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.launcher.runs import kill_run_processes, run_training, write_config
 from nanotron_recover.run.run_folder import read_metrics, run_id
-from nanotron_recover.snapshots.local_snapshot import snapshot_folder
+from nanotron_recover.snapshots.store import snapshot_folder
 from tests.conftest import make_tiny_config
 
 STEPS = 10

@@ -18,19 +18,11 @@ import pytest
 import torch
 
 from nanotron_recover.run.run_folder import ensure_run_id, run_id
-from nanotron_recover.snapshots.local_snapshot import (
-    MAGIC,
-    LocalSnapshots,
-    SnapshotWriter,
-    StoreRefused,
-    decode_header,
-    encode_header,
-    private_dir,
-    private_tree,
-    remove_stale_runs,
-    scan,
-    verify_file,
-)
+from nanotron_recover.snapshots.catalog import scan
+from nanotron_recover.snapshots.format import MAGIC, decode_header, encode_header, verify_file
+from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
+from nanotron_recover.snapshots.store import StoreRefused, private_dir, private_tree, remove_stale_runs
+from nanotron_recover.snapshots.writer import SnapshotWriter
 from tests.snapshots.snapshot_world import config, mounted_tmpfs, training_state, write_line
 
 RUN, CONFIG = "00000000000000aa", "cfg-a"

@@ -18,7 +18,8 @@ import pytest
 
 from nanotron_recover.launcher.mpirun import mpirun_command
 from nanotron_recover.run.run_folder import ensure_run_id
-from nanotron_recover.snapshots.local_snapshot import config_hash, scan
+from nanotron_recover.snapshots.catalog import scan
+from nanotron_recover.snapshots.store import config_hash
 from tests.snapshots.snapshot_world import config, node_folder, state_digest, training_state, write_line
 
 TIMEOUT_S = 120

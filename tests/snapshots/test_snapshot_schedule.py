@@ -155,3 +155,20 @@ def test_write_costs_that_wander_near_a_rounding_boundary_change_the_interval_on
         intervals.append(schedule.interval)
     assert intervals == [1] + [2] * 39 and events == 1
     assert young_interval(0.001090, 0.1, 9.0, 10) == 1 and young_interval(0.001605, 0.1, 9.0, 10) == 2  # the flip
+
+
+def test_the_settings_read_a_config_and_say_what_0_means() -> None:
+    from types import SimpleNamespace
+
+    from nanotron_recover.config import FaultToleranceArgs
+    from nanotron_recover.snapshots.settings import SnapshotSettings
+
+    config = SimpleNamespace(fault_tolerance=FaultToleranceArgs(local_snapshot_interval=0, relaunch_mtbf_h=3.0))
+    off = SnapshotSettings.of(config)
+    assert not off.enabled and off.fixed == 0 and off.mtbf_h == 3.0
+    assert not SnapshotSchedule.of_settings(off).commit(4, (0.0, 0.0, 0.0, 0.0))
+    stand_in = SimpleNamespace(fault_tolerance=SimpleNamespace(local_snapshot_interval="auto", local_snapshot_dir="/x"))
+    defaults, stock = SnapshotSettings.of(stand_in), FaultToleranceArgs()  # a stand-in takes the config's defaults
+    assert (defaults.max_interval, defaults.mtbf_h, defaults.max_gb) == (
+        stock.local_snapshot_max_interval, stock.relaunch_mtbf_h, stock.local_snapshot_max_gb)
+    assert defaults.enabled and defaults.fixed is None

@@ -28,7 +28,7 @@ import pytest
 
 from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.run_folder import ensure_run_id, last_logged_step, read_metrics
-from nanotron_recover.snapshots.local_snapshot import node_name
+from nanotron_recover.snapshots.store import node_name
 from tests.conftest import make_tiny_config
 from tests.snapshots.snapshot_world import mounted_tmpfs
 from tests.snapshots.test_local_snapshot_resume import launch_and_kill_the_job

@@ -13,7 +13,8 @@ from nanotron_recover.config import config_from_dict
 from nanotron_recover.launcher.runs import run_training
 from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON
 from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics_jsonl, run_id
-from nanotron_recover.snapshots.local_snapshot import _FILE, SUFFIX, snapshot_folder
+from nanotron_recover.snapshots.catalog import _FILE, SUFFIX
+from nanotron_recover.snapshots.store import snapshot_folder
 from tests.conftest import make_tiny_config
 
 pytestmark = pytest.mark.slow

@@ -41,6 +41,26 @@ def forwarded_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return out
 
 
+def apply_overrides(
+    config: "RecoverConfig", *, data_folder: str | None, synthetic_data: bool, train_steps: int | None
+) -> None:
+    """``--data-folder``, ``--synthetic-data`` and ``--train-steps`` (the LR decay shortened to fit the steps)."""
+    from nanotron_recover.config import ConfigError, RecoverDataArgs, TokenizedDatasetArgs
+
+    if data_folder or synthetic_data:
+        seed = config.data.seed if config.data is not None else config.general.seed
+        dataset = TokenizedDatasetArgs(dataset_folder=str(data_folder)) if data_folder else None
+        config.data = RecoverDataArgs(dataset=dataset, seed=seed)
+    if train_steps is not None:
+        if train_steps < 1:
+            raise ConfigError(f"--train-steps must be >= 1, got {train_steps}")
+        config.tokens.train_steps = train_steps
+        lr = config.optimizer.learning_rate_scheduler if config.optimizer else None
+        if lr is not None and lr.lr_decay_steps is not None \
+                and lr.lr_decay_steps + (lr.lr_warmup_steps or 0) > train_steps:
+            lr.lr_decay_steps = max(1, train_steps - (lr.lr_warmup_steps or 0))
+
+
 def apply_replicas(config: "RecoverConfig", replicas: int) -> None:
     """``--replicas R``: ``dp = R`` and ``batch_accumulation_per_replica = M / R``, so every step still commits the
     same M global microbatches (a checkpoint resumes only with the same M). ``min_replicas`` is capped at R."""
@@ -69,7 +89,7 @@ def apply_replicas(config: "RecoverConfig", replicas: int) -> None:
 def load_effective_config(args: argparse.Namespace) -> "RecoverConfig":
     """The config with the command-line overrides applied and the run-time input checked."""
     from nanotron_recover.config import load_config
-    from nanotron_recover.launcher.preflight import apply_overrides, check_runtime_inputs
+    from nanotron_recover.launcher.preflight import check_runtime_inputs
 
     config = load_config(args.config_file)
     apply_overrides(

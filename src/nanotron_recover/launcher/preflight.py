@@ -1,4 +1,4 @@
-"""Run-time input checks and command-line overrides, applied before any rank starts (and again on each rank).
+"""Run-time input checks, applied before any rank starts (and again on each rank).
 
 Stock nanotron YAMLs may ask for what this project cannot give offline (a hub dataset, float16 without a loss scaler,
 nanotron 0.4's async REDUCE_SCATTER TP, which computes wrong input gradients: upstream bug #46, fixed after 0.4).
@@ -17,27 +17,10 @@ import torch
 from nanotron.config import PretrainDatasetsArgs
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
-from nanotron_recover.config import ConfigError, RecoverConfig, RecoverDataArgs, TokenizedDatasetArgs
+from nanotron_recover.config import ConfigError, RecoverConfig, TokenizedDatasetArgs
 from nanotron_recover.training.checkpoint import check_resumable, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
-
-
-def apply_overrides(
-    config: RecoverConfig, *, data_folder: str | None, synthetic_data: bool, train_steps: int | None
-) -> None:
-    if data_folder or synthetic_data:
-        seed = config.data.seed if config.data is not None else config.general.seed
-        dataset = TokenizedDatasetArgs(dataset_folder=str(data_folder)) if data_folder else None
-        config.data = RecoverDataArgs(dataset=dataset, seed=seed)
-    if train_steps is not None:
-        if train_steps < 1:
-            raise ConfigError(f"--train-steps must be >= 1, got {train_steps}")
-        config.tokens.train_steps = train_steps
-        lr = config.optimizer.learning_rate_scheduler if config.optimizer else None
-        if lr is not None and lr.lr_decay_steps is not None \
-                and lr.lr_decay_steps + (lr.lr_warmup_steps or 0) > train_steps:
-            lr.lr_decay_steps = max(1, train_steps - (lr.lr_warmup_steps or 0))
 
 
 def check_runtime_inputs(config: RecoverConfig) -> list[str]:
@@ -88,14 +71,16 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     """Before launch: three snapshots per rank (two complete, one being written) of this node must fit
     ``local_snapshot_max_gb`` and the free space of ``local_snapshot_dir`` (this run's own older snapshots there count
     as free: they are replaced)."""
-    ft = config.fault_tolerance
-    if not config.ft_enabled or ft.local_snapshot_interval == 0:
+    from nanotron_recover.snapshots.settings import SnapshotSettings
+
+    if not config.ft_enabled or not SnapshotSettings.of(config).enabled:
         return
+    settings = SnapshotSettings.of(config)
     from nanotron_recover.run.run_folder import run_id
-    from nanotron_recover.snapshots.local_snapshot import reserved_bytes, snapshot_folder
+    from nanotron_recover.snapshots.store import reserved_bytes, snapshot_folder
     from nanotron_recover.training.memory import snapshot_bytes_per_rank
 
-    folder = Path(ft.local_snapshot_dir)
+    folder = settings.folder
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -110,12 +95,12 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     # the new one is complete); never all of the folder's space (Open MPI and NCCL shared memory live there too)
     need = 3 * ranks_per_node * snapshot_bytes_per_rank(config)
     usable = free - reserved_bytes(existing)
-    limit = free / 2 if ft.local_snapshot_max_gb is None else min(usable, ft.local_snapshot_max_gb * 2**30)
+    limit = free / 2 if settings.max_gb is None else min(usable, settings.max_gb * 2**30)
     if need > limit:
         raise ConfigError(
             f"fault_tolerance.local_snapshot_*: three snapshots for each of {ranks_per_node} rank(s) per node need "
             f"{need / 2**30:.2f} GiB, more than {limit / 2**30:.2f} GiB (local_snapshot_max_gb "
-            f"{ft.local_snapshot_max_gb}, {free / 2**30:.2f} GiB free in {existing}): raise local_snapshot_max_gb, "
+            f"{settings.max_gb}, {free / 2**30:.2f} GiB free in {existing}): raise local_snapshot_max_gb, "
             "point local_snapshot_dir at a larger node-local folder, or set local_snapshot_interval: 0"
         )
 

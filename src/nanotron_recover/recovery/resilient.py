@@ -34,6 +34,7 @@ from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
 from nanotron_recover.snapshots.schedule import SnapshotSchedule
+from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.training.buckets import GradBuckets
 from nanotron_recover.training.seam import (
     AttachedModel,
@@ -110,8 +111,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self._step_started = 0.0
         self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
         # which committed steps are snapshotted: the same decision on every rank, spares and pool ranks included
-        self.snapshot_schedule = SnapshotSchedule.of(ft_args.local_snapshot_interval,
-                                                     ft_args.local_snapshot_max_interval, ft_args.relaunch_mtbf_h)
+        self.snapshot_schedule = SnapshotSchedule.of_settings(SnapshotSettings.of(config))
         self._last_step_s: float | None = None
 
     def _start_worlds(self, world: MPI.Comm, active: list[int], timeout_s: float) -> tuple[FTWorld, object]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-AUTO = "auto"
+from nanotron_recover.snapshots.settings import SnapshotSettings
+
 DEAD_BAND = 1.5  # the auto interval stays while Young's value is within this factor of it
 
 
@@ -50,7 +51,8 @@ def next_interval(current: int, cost_s: float, step_s: float, mtbf_s: float, max
 
 @dataclass
 class SnapshotSchedule:
-    """``fixed``: every this many steps (``step % fixed == 0``, as a user reads the setting); None: ``auto``."""
+    """``fixed``: every this many steps (``step % fixed == 0``, as a user reads the setting); None: ``auto``;
+    ``enabled``: the settings' word on whether snapshots are on at all (:class:`SnapshotSettings`)."""
 
     fixed: int | None
     max_interval: int
@@ -61,10 +63,16 @@ class SnapshotSchedule:
     last: int | None = None  # the last step snapshotted (or the step before the first this launch trains)
     due_now: bool = False  # the last committed step's decision (:meth:`commit`)
     _reported: int = 1  # the auto interval last reported (:meth:`news`)
+    enabled: bool = True
 
     @classmethod
     def of(cls, setting: int | str, max_interval: int, mtbf_h: float) -> SnapshotSchedule:
-        return cls(fixed=None if setting == AUTO else int(setting), max_interval=max_interval, mtbf_s=mtbf_h * 3600)
+        return cls.of_settings(SnapshotSettings(interval=setting, max_interval=max_interval, mtbf_h=mtbf_h))
+
+    @classmethod
+    def of_settings(cls, settings: SnapshotSettings) -> SnapshotSchedule:
+        return cls(fixed=settings.fixed, max_interval=settings.max_interval, mtbf_s=settings.mtbf_h * 3600,
+                   enabled=settings.enabled)
 
     def observe(self, cost_us: float, writers: float, step_us: float, ranks: float) -> None:
         """A committed step's sums: writers' last write costs (and how many writers measured one), ranks' step
@@ -95,8 +103,10 @@ class SnapshotSchedule:
 
     def due(self, step: int) -> bool:
         """Whether committed ``step`` is snapshotted; call once per committed step, on every rank."""
+        if not self.enabled:
+            return False
         if self.fixed is not None:
-            return self.fixed > 0 and step % self.fixed == 0
+            return step % self.fixed == 0
         if self.last is None:
             self.last = step - 1
         if step - self.last < self.interval:

@@ -117,7 +117,7 @@ class FaultToleranceArgs:
             scheduler's grace (Slurm: ``KillWait``, 30 s).
         standby: ``auto`` (default): while a job trains, the launcher keeps the next one ready beside it (its ranks
             imported and waiting before MPI is initialized), so that an in-place relaunch starts seconds sooner;
-            only where memory allows (:mod:`nanotron_recover.launcher.relaunch`). ``off``: every relaunch is cold.
+            only where memory allows (:mod:`nanotron_recover.launcher.relauncher`). ``off``: every relaunch is cold.
         checkpoint_on_stop: also write a disk checkpoint of the last step at a graceful stop (the node-local
             snapshot is written either way; with ``local_snapshot_interval: 0`` the checkpoint is written instead).
     """

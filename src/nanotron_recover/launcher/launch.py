@@ -34,7 +34,7 @@ from nanotron_recover.run.run_folder import (
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
-    from nanotron_recover.launcher.relaunch import Relauncher
+    from nanotron_recover.launcher.relauncher import Relauncher
     from nanotron_recover.process.stop_request import LauncherStop
 
 
@@ -117,9 +117,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig", run_dir: Path,
                 lock: int) -> "Relauncher":
-    """The launches of this command (:mod:`nanotron_recover.launcher.relaunch`)."""
+    """The launches of this command (:mod:`nanotron_recover.launcher.relauncher`)."""
     from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
-    from nanotron_recover.launcher.relaunch import JobSpec, Relauncher, max_restarts_setting, standby_fits
+    from nanotron_recover.launcher.relauncher import JobSpec, Relauncher, max_restarts_setting, standby_fits
 
     ft = config.fault_tolerance or FaultToleranceArgs()
     grace = ft.stop_grace_s if config.ft_enabled else None
@@ -127,8 +127,8 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
     standby = config.ft_enabled and restarts > 0 and ft.standby == "auto" and standby_fits(config.world_size)
     spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby)
 
-    def begin(warm: bool) -> None:
-        begin_launch(run_dir, {**launch_record(config, by="nanotron-recover train"), "warm": warm})
+    def begin(extra: dict) -> None:
+        begin_launch(run_dir, {**launch_record(config, by="nanotron-recover train"), **extra})
 
     def cold(launch_cmd: list[str], stop: "LauncherStop", on_tick: Callable[[], None]) -> int:
         return launch_with_retries(launch_cmd, run_dir, finalize_timeout_s=ft.finalize_timeout_s, pass_fds=(lock,),

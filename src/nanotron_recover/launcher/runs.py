@@ -168,9 +168,18 @@ def rank_processes(run_dir: Path) -> dict[int, int]:
         if state == "Z" or name in MPI_DAEMONS or Path(cmdline[0].decode(errors="replace")).name in MPI_DAEMONS:
             continue
         rank = next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
-        if rank is not None:
+        if rank is not None and not _waiting_standby(environ):
             out[int(entry)] = rank
     return out
+
+
+def _waiting_standby(environ: list[bytes]) -> bool:
+    """A rank of a warm standby not released yet (not a rank of the job, though its command line is the same)."""
+    from nanotron_recover.process.standby_rank import RELEASE, STANDBY_ENV
+
+    prefix = f"{STANDBY_ENV}=".encode()
+    folder = next((v[len(prefix):] for v in environ if v.startswith(prefix)), None)
+    return folder is not None and not (Path(folder.decode(errors="replace")) / RELEASE).exists()
 
 
 def rank_pids(run_dir: Path) -> dict[int, int]:

@@ -11,6 +11,7 @@ launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allow
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import sys
@@ -28,6 +29,7 @@ from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path
 
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
 DEFAULT_MAX_RESTARTS = 3
+TAIL_BYTES = 65536
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
 
 
@@ -89,6 +91,12 @@ class Standby:
         return self.job.proc.poll() is None and all(ready_file(self.folder, r).exists()
                                                      for r in range(self.world_size))
 
+    def why_not(self) -> str:
+        if self.job.proc.poll() is not None:
+            return f"its mpirun ended with {self.job.proc.returncode}"
+        missing = [r for r in range(self.world_size) if not ready_file(self.folder, r).exists()]
+        return f"rank(s) {missing[:8]} still importing"
+
     def release(self) -> MpirunJob:
         (self.folder / RELEASE).touch()
         return self.job
@@ -105,13 +113,13 @@ class Standby:
 class Relauncher:
     """Launch, judge, relaunch in place (warm when a standby is ready) until done or out of restarts."""
 
-    def __init__(self, spec: JobSpec, judge: Callable[[int], int], begin: Callable[[bool], None],
+    def __init__(self, spec: JobSpec, judge: Callable[[int], int], begin: Callable[[dict], None],
                  launch_cold: Callable[[list[str], LauncherStop, Callable[[], None]], int]) -> None:
         self.spec, self.judge, self.begin, self.launch_cold = spec, judge, begin, launch_cold
         self.stop = LauncherStop(None, spec.stop_grace_s, say=say)
         self.standby: Standby | None = None
-        self._job_started = 0.0
         self._metrics_size = 0
+        self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
 
     def run(self) -> int:
         self.stop.install()
@@ -131,22 +139,23 @@ class Relauncher:
     def _one_launch(self) -> int:
         standby, self.standby = self.standby, None
         self._mark_start()
+        record = {"previous_job_ended": self._previous_ended}
         if standby is not None and standby.ready():
-            self.begin(True)
+            self.begin({**record, "warm": True})
             job = standby.release()
             self.stop.attach(job.proc)
             rc = job.wait(self.spec.run_dir, self.spec.finalize_timeout_s, self.stop, self._tick)
             standby.remove()
         else:
             if standby is not None:
-                say("the warm standby is not ready (a rank died or is still starting): a cold launch")
+                say(f"the warm standby is not ready ({standby.why_not()}): a cold launch")
                 standby.cancel()
-            self.begin(False)
+            self.begin({**record, "warm": False})
             rc = self.launch_cold(with_launch_token(self.spec.cmd, secrets.token_hex(4)), self.stop, self._tick)
+        self._previous_ended = time.time()
         return self.judge(rc)
 
     def _mark_start(self) -> None:
-        self._job_started = time.monotonic()
         path = metrics_path(self.spec.run_dir)
         self._metrics_size = path.stat().st_size if path.exists() else 0
 
@@ -155,6 +164,26 @@ class Relauncher:
         standby's would slow down, is over)."""
         if not self.spec.standby or self.standby is not None or self.stop.requested or self.spec.max_restarts < 1:
             return
-        path = metrics_path(self.spec.run_dir)
-        if path.exists() and path.stat().st_size > self._metrics_size:
+        if self._job_trains():
             self.standby = Standby(self.spec)
+
+    def _job_trains(self) -> bool:
+        """The job has logged a step since this launch (read from the end of ``metrics.jsonl`` only)."""
+        path = metrics_path(self.spec.run_dir)
+        try:
+            size = path.stat().st_size
+            if size <= self._metrics_size:
+                return False
+            with path.open("rb") as f:
+                f.seek(max(self._metrics_size, size - TAIL_BYTES))
+                lines = f.read().splitlines()[1:]  # the first may be cut
+        except OSError:
+            return False
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "event" not in record and "step" in record:
+                return True
+        return False

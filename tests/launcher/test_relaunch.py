@@ -1,0 +1,158 @@
+"""The launcher's in-place relaunch and its warm standby, with real jobs (``mpirun --with-ft ulfm``, 2 replicas).
+
+* A replica SIGKILLed (from outside) with ``min_replicas: 2``: the job ends with the restart outcome, the launcher
+  relaunches it in place from the warm standby (the launch record says ``warm``), and the run finishes with the
+  failure-free losses, every step logged once.
+* The launcher SIGKILLed while its standby waits: no standby process is left within 5 s.
+* A rank SIGKILLed at a random moment of the first seconds (start-up included), at the default settings: the run
+  finishes (in-step, or after an in-place relaunch) with the failure-free losses.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.launcher.relauncher import standby_fits, with_launch_token
+from nanotron_recover.launcher.runs import kill_run_processes, rank_pids, run_training, write_config
+from nanotron_recover.process.standby_rank import LAUNCHER_PID_ENV, STANDBY_ENV
+from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, read_launches, read_metrics, read_metrics_jsonl
+from tests.conftest import make_tiny_config
+
+TIMEOUT_S = 300
+
+
+def config(tmp_path: Path, steps: int, **ft) -> dict:
+    return make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2,
+                            fault_tolerance={"enabled": True, "local_snapshot_dir": str(tmp_path / "shm"), **ft})
+
+
+def launch(config_path: Path, run_dir: Path, log: Path, restarts: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", str(restarts)]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def standby_ranks(launcher_pid: int) -> dict[int, Path]:
+    """``{pid: standby folder}`` of the live standby ranks (and their mpirun) that ``launcher_pid`` started."""
+    mine = f"{LAUNCHER_PID_ENV}={launcher_pid}".encode()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        folder = next((v.split(b"=", 1)[1] for v in environ if v.startswith(f"{STANDBY_ENV}=".encode())), None)
+        if mine in environ and folder is not None and state != "Z":
+            out[int(entry)] = Path(folder.decode())
+    return out
+
+
+def wait_for_ready_standby(launcher: subprocess.Popen, ranks: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and launcher.poll() is None:
+        folders = set(standby_ranks(launcher.pid).values())
+        if folders and all(len(list(f.glob("ready-*"))) == ranks for f in folders):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no warm standby got ready")
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+def test_a_relaunch_gets_a_fresh_launch_token():
+    cmd = ["mpirun", "-x", f"{LAUNCH_TOKEN_ENV}=aaaa", "-x", "PYTHONUNBUFFERED=1", "python"]
+    assert with_launch_token(cmd, "bbbb") == ["mpirun", "-x", f"{LAUNCH_TOKEN_ENV}=bbbb", "-x", "PYTHONUNBUFFERED=1",
+                                             "python"]
+
+
+def test_auto_starts_a_standby_only_where_memory_allows(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 16777216 kB\n")  # 16 GiB available
+    assert standby_fits(2, meminfo) and not standby_fits(64, meminfo)
+    assert not standby_fits(2, tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------------------------ real jobs
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(tmp_path):
+    steps = 1500  # ~7 ms each: long enough for the standby to get ready, then a kill from outside
+    reference = run_training(config(tmp_path, steps), tmp_path / "reference", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    run_dir = tmp_path / "run"
+    config_path = write_config(config(tmp_path, steps, min_replicas=2), run_dir / "config.yaml")
+    proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=1)
+    try:
+        wait_for_ready_standby(proc, ranks=2)
+        os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            kill_run_processes(run_dir, proc)
+    output = (tmp_path / "launcher.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "relaunching in place from the warm standby" in output, output[-3000:]
+    assert [launch.get("warm") for launch in read_launches(run_dir)] == [False, True]
+    logged = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == steps, "a step logged twice, or the run unfinished"
+    steps_after = read_metrics(run_dir)[0]
+    for got, want in zip([s["loss"] for s in steps_after], reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_sigkilled_launcher_leaves_no_standby_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    config_path = write_config(config(tmp_path, 3000), run_dir / "config.yaml")
+    proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=1)
+    try:
+        wait_for_ready_standby(proc, ranks=2)
+        assert standby_ranks(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while standby_ranks(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = standby_ranks(proc.pid)
+        assert not left, f"standby processes left 5 s after the launcher's SIGKILL: {sorted(left)}"
+    finally:
+        kill_run_processes(run_dir, proc)  # the job itself outlives its launcher on purpose (it holds the lock)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_a_rank_killed_at_a_random_moment_of_the_first_seconds_costs_no_finished_run(tmp_path):
+    steps = 200
+    reference = run_training(config(tmp_path, steps), tmp_path / "reference", timeout_s=TIMEOUT_S,
+                             extra_args=["--synthetic-data"])
+    run_dir = tmp_path / "run"
+    config_path = write_config(config(tmp_path, steps), run_dir / "config.yaml")
+    delay = random.Random(os.getpid()).uniform(0.5, 6.0)
+    proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=2)
+    try:
+        deadline = time.monotonic() + delay
+        victim = None
+        while time.monotonic() < deadline or victim is None:
+            victim = rank_pids(run_dir).get(1, victim)
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            kill_run_processes(run_dir, proc)
+    output = (tmp_path / "launcher.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5
+    print(f"\nrank 1 killed {delay:.1f} s after launch: {len(read_launches(run_dir))} launch(es)")

@@ -68,6 +68,37 @@ def tiny_config():
     return make_tiny_config
 
 
+# ------------------------------------------------------------------------------- shared failure-free runs
+# A failure-free run is a pure function of its config, its command-line arguments and the environment it reads:
+# tests (of any module) whose reference run is the identical job share one launch per session. The key is the
+# whole config as YAML, the arguments and every variable that a run reads; a test must only read the shared run
+# folder (its metrics, checkpoints, output), never write into it.
+_ENV_KEYS_PREFIXES = ("NANOTRON_RECOVER", "WANDB", "OMPI", "PRTE", "PMIX", "OMP_", "CUDA")
+
+
+def _run_key(config: dict, extra_args) -> str:
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_KEYS_PREFIXES))
+    return yaml.safe_dump({"config": config, "args": list(extra_args), "env": env}, sort_keys=True)
+
+
+@pytest.fixture(scope="session")
+def failure_free_run(tmp_path_factory):
+    """``failure_free_run(config, extra_args=..., timeout_s=...)`` -> the RunResult of ``run_training`` on that
+    config, launched once per session for each distinct (config, arguments, environment); it must succeed."""
+    from nanotron_recover.launcher.runs import run_training
+
+    done: dict[str, object] = {}
+
+    def run(config: dict, *, extra_args=("--synthetic-data",), timeout_s: float = 300):
+        key = _run_key(config, extra_args)
+        if key not in done:
+            done[key] = run_training(copy.deepcopy(config), tmp_path_factory.mktemp("shared-ref"),
+                                     timeout_s=timeout_s, extra_args=list(extra_args))
+        return done[key]
+
+    return run
+
+
 # ------------------------------------------------------------------------------------ Open MPI's own crashes
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):

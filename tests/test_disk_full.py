@@ -41,7 +41,7 @@ def _used_kb(folder: Path) -> int:
 
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
-def test_a_full_disk_at_a_checkpoint_ends_the_job_for_a_person_and_loses_nothing(tmp_path):
+def test_a_full_disk_at_a_checkpoint_ends_the_job_for_a_person_and_loses_nothing(tmp_path, failure_free_run):
     config = make_tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=EVERY,
                               fault_tolerance={"enabled": True, "local_snapshot_interval": 1})
     small = tmp_path / "small"
@@ -49,9 +49,12 @@ def test_a_full_disk_at_a_checkpoint_ends_the_job_for_a_person_and_loses_nothing
     if why_not is not None:
         pytest.skip(why_not)
     try:
-        reference = run_training(config, small / "reference", timeout_s=TIMEOUT_S, extra_args=ARGS)
-        checkpoint_kb = _used_kb(small / "reference" / "checkpoints" / str(EVERY))  # as this file system counts
-        shutil.rmtree(small / "reference")
+        # the failure-free run of this config (the same job as tests/training/test_nonfinite_guard.py's [recover]
+        # reference: one launch per session); its checkpoint copied here is measured as this file system counts
+        reference = failure_free_run(config, extra_args=ARGS, timeout_s=TIMEOUT_S)
+        shutil.copytree(reference.run_dir / "checkpoints" / str(EVERY), small / "probe")
+        checkpoint_kb = _used_kb(small / "probe")
+        shutil.rmtree(small / "probe")
         # the checkpoints of steps 2 and 4 fit, step 6's does not
         assert _mount_tmpfs(small, 2 * checkpoint_kb + checkpoint_kb // 2 + 192, remount=True) is None
         run = small / "run"

@@ -36,9 +36,9 @@ def two_node_config(tiny_config, inject: list[dict]) -> dict:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-def test_a_frozen_rank_is_killed_by_a_rank_of_its_own_node(tiny_config, tmp_path, monkeypatch):
-    reference = run_training(two_node_config(tiny_config, []), tmp_path / "ref", timeout_s=TIMEOUT_S,
-                             extra_args=["--synthetic-data"])  # one node: the split over nodes changes no math
+def test_a_frozen_rank_is_killed_by_a_rank_of_its_own_node(tiny_config, tmp_path, monkeypatch, failure_free_run):
+    # one node: the split over nodes changes no math (shared with the paused-node test below)
+    reference = failure_free_run(two_node_config(tiny_config, []), timeout_s=TIMEOUT_S)
     for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
         monkeypatch.setenv(key, value)
     inject = [{"step": FAULT_STEP, "replica": 1, "rank": 1, "phase": "backward", "signal": "stop"}]
@@ -100,7 +100,7 @@ def _pause_ranks_then_resume(run_dir, ranks: set[int], after_step: int, paused_s
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_other(tiny_config, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, failure_free_run):
     """Node 2 (replica 1) stalls whole for the hang timeout + 4 s, then runs again. Node 1's ranks hear the silence
     and ask node 2's ranks to kill their replica; those wake, do it, and must not judge node 1's ranks by the
     silence of their own pause (the case of a CI failure: a woken rank killed a healthy rank of the other node and
@@ -109,8 +109,7 @@ def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_othe
     Every microbatch carries 19x its compute time as a sleep ("device time", ``signal: slow``: no number changes),
     so that the pause lands in the middle of training: with steps of ~35 ms, the job once reached its final
     agreement before the pauser's SIGSTOP, and the woken replica simply finished with the others."""
-    reference = run_training(two_node_config(tiny_config, []), tmp_path / "ref", timeout_s=TIMEOUT_S,
-                             extra_args=["--synthetic-data"])
+    reference = failure_free_run(two_node_config(tiny_config, []), timeout_s=TIMEOUT_S)  # on one node
     for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
         monkeypatch.setenv(key, value)
     log: list[str] = []

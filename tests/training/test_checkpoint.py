@@ -21,14 +21,15 @@ TIMEOUT_S = 300
 @pytest.mark.slow
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 @pytest.mark.parametrize("ft", [{"enabled": True}, None], ids=["recover", "stock"])
-def test_resume_reproduces_the_uninterrupted_run(ft, tiny_config, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(ft, tiny_config, tmp_path, failure_free_run):
     config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)
-    full = run_training(config, tmp_path / "full", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
-    assert (tmp_path / "full" / "checkpoints" / LATEST).read_text().strip() == str(STEPS)
+    # the uninterrupted run (recover: the same job as the reference of the resume_checkpoint_path test below)
+    full = failure_free_run(config, timeout_s=TIMEOUT_S)
+    assert (full.run_dir / "checkpoints" / LATEST).read_text().strip() == str(STEPS)
 
-    config["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "full" / "checkpoints" / str(SAVE_AT))
+    config["checkpoints"]["resume_checkpoint_path"] = str(full.run_dir / "checkpoints" / str(SAVE_AT))
     resumed = run_training(config, tmp_path / "resumed", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
-    assert f"resumed from {tmp_path / 'full' / 'checkpoints' / str(SAVE_AT)} at step {SAVE_AT}" in resumed.output
+    assert f"resumed from {full.run_dir / 'checkpoints' / str(SAVE_AT)} at step {SAVE_AT}" in resumed.output
     assert [s["step"] for s in resumed.steps] == list(range(SAVE_AT + 1, STEPS + 1))
     diff = np.abs(np.array(resumed.losses) - np.array(full.losses[SAVE_AT:])).max()
     assert diff <= 1e-5, f"resumed losses differ by {diff:.2e}"
@@ -119,17 +120,18 @@ def test_a_checkpoint_resumes_only_in_its_own_dtype(saved, dtype, error, tiny_co
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S + 60)
-def test_a_run_started_from_resume_checkpoint_path_relaunches_from_its_own_state(tiny_config, tmp_path):
+def test_a_run_started_from_resume_checkpoint_path_relaunches_from_its_own_state(tiny_config, tmp_path,
+                                                                                  failure_free_run):
     """``resume_checkpoint_path`` starts a run; the relaunch after a stop resumes from the run's own state (its
     checkpoint or node-local snapshot of the last committed step), not from that path again (before: every
     relaunch was pinned to it, with node-local snapshots off, and recomputed every step since)."""
     ft = {"enabled": True}
     config = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT, fault_tolerance=ft)
-    full = run_training(config, tmp_path / "full", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    full = failure_free_run(config, timeout_s=TIMEOUT_S)  # shared with test_resume_reproduces_..._run[recover]
     started = tiny_config(dp=2, tp=2, pp=1, accumulation=2, steps=STEPS, checkpoint_interval=SAVE_AT,
                           fault_tolerance={**ft, "min_replicas": 2,
                                            "inject": [{"step": SAVE_AT + 2, "replica": 1, "phase": "backward"}]})
-    started["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "full" / "checkpoints" / str(SAVE_AT))
+    started["checkpoints"]["resume_checkpoint_path"] = str(full.run_dir / "checkpoints" / str(SAVE_AT))
     first = run_training(started, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"], check=False)
     assert first.returncode == 3, first.output[-4000:]  # below min_replicas: stopped after step SAVE_AT + 1
     again = run_training(started, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])

@@ -26,14 +26,15 @@ ARGS = ["--synthetic-data"]
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 @pytest.mark.parametrize("ft", [True, False], ids=["recover", "stock"])
-def test_a_nan_microbatch_ends_the_run_with_the_last_finite_state_kept(ft, tmp_path):
+def test_a_nan_microbatch_ends_the_run_with_the_last_finite_state_kept(ft, tmp_path, failure_free_run):
     nan = [{"step": POISONED, "replica": 1, "rank": 0, "phase": "forward", "signal": "nan"}]
     section = {"enabled": True, "local_snapshot_interval": 1} if ft else {"enabled": False}
     clean = make_tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=EVERY,
                              fault_tolerance=section)
     poisoned = copy.deepcopy(clean)
     poisoned["fault_tolerance"]["inject"] = nan
-    reference = run_training(clean, tmp_path / "reference", timeout_s=TIMEOUT_S, extra_args=ARGS)
+    # [recover]'s is the same job as tests/test_disk_full.py's reference: one launch per session
+    reference = failure_free_run(clean, extra_args=ARGS, timeout_s=TIMEOUT_S)
 
     run = tmp_path / "run"
     first = run_training(poisoned, run, timeout_s=TIMEOUT_S, extra_args=ARGS, check=False)

@@ -15,8 +15,7 @@ import pytest
 
 from benchmarks import fault_campaign
 
-TRIALS = 1  # a real job with relaunches (and its shape's references): ~35 s on 2 cores; a new seed every run, so
-# the runs of CI draw new schedules; the full campaign runs outside CI
+TRIALS = 2  # each trial is a real job with relaunches: ~1 min on 2 cores; the full campaign runs outside CI
 # The kinds a campaign has run clean (README, "Fault campaign"), so that a new seed tests new schedules of them
 # and a red CI means a regression; a kind joins once a campaign of its own has passed. Left out: the start-up
 # kinds (each costs a start-up timeout, ~110 s here; tests/ft/test_startup_faults.py scripts them).

@@ -118,6 +118,11 @@ class FaultToleranceArgs:
         standby: ``auto`` (default): while a job trains, the launcher keeps the next one ready beside it (its ranks
             imported and waiting before MPI is initialized), so that an in-place relaunch starts seconds sooner;
             only where memory allows (:mod:`nanotron_recover.launcher.relauncher`). ``off``: every relaunch is cold.
+        regrow: ``auto`` (default): after replicas are lost, the job stops at a step boundary (its snapshot written)
+            and the launcher relaunches it at full width, when the relaunch costs less than the full-width training
+            that staying degraded gives away until the next failure (``relaunch_mtbf_h``); only where the launcher
+            relaunches in place (``--max-restarts`` > 0). ``off``: degraded until the job ends
+            (:mod:`nanotron_recover.recovery.regrow`).
         checkpoint_on_stop: also write a disk checkpoint of the last step at a graceful stop (the node-local
             snapshot is written either way; with ``local_snapshot_interval: 0`` the checkpoint is written instead).
     """
@@ -153,6 +158,7 @@ class FaultToleranceArgs:
     stop_grace_s: float = 25.0
     checkpoint_on_stop: bool = False
     standby: str = "auto"
+    regrow: str = "auto"
 
 
 @dataclass
@@ -345,6 +351,7 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
     _check(ft.finalize_timeout_s >= 1, "fault_tolerance.finalize_timeout_s",
            f"must be >= 1 second, got {ft.finalize_timeout_s}")
     _check(ft.standby in ("auto", "off"), "fault_tolerance.standby", f"must be auto or off, got {ft.standby!r}")
+    _check(ft.regrow in ("auto", "off"), "fault_tolerance.regrow", f"must be auto or off, got {ft.regrow!r}")
     _check(ft.stop_grace_s >= 1, "fault_tolerance.stop_grace_s", f"must be >= 1 second, got {ft.stop_grace_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")

@@ -63,11 +63,12 @@ def stats(stop: bool) -> StepStats:
 
 def test_the_step_sums_tell_every_rank_how_many_were_asked_to_stop():
     asked, not_asked = stats(True), stats(False)
-    assert not_asked.stop_reason(5) is None
+    assert not_asked.stop_at(5) is None
     total = asked.stats + asked.stats + not_asked.stats  # three ranks' contributions, as the world-wide SUM
     asked.stats[:] = total
-    reason = asked.stop_reason(5)
-    assert reason is not None and "2 rank(s)" in reason and "resumes at step 6" in reason
+    stop = asked.stop_at(5)
+    assert stop is not None and stop.event == "stop_signal"
+    assert "2 rank(s)" in stop.reason and "resumes at step 6" in stop.reason
     assert asked.nonfinite() is None  # the entries do not mix
     np.testing.assert_array_equal(asked.snapshot_sums(), (0.0, 0.0, 0.0, 0.0))
 

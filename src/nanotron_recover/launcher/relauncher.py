@@ -25,9 +25,11 @@ from nanotron_recover.launcher.mpirun_job import MpirunJob
 from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
+from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path, read_launches, read_metrics_jsonl
 
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
+DEFAULT_RELAUNCH_S = 30.0  # before one was measured here: an assumption, well above this machine's (2.5-10 s)
 DEFAULT_MAX_RESTARTS = 3
 TAIL_BYTES = 65536
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
@@ -64,6 +66,22 @@ def with_launch_token(cmd: list[str], token: str) -> list[str]:
     return [f"{LAUNCH_TOKEN_ENV}={token}" if part.startswith(f"{LAUNCH_TOKEN_ENV}=") else part for part in cmd]
 
 
+def with_env(cmd: list[str], env: dict[str, str]) -> list[str]:
+    """``cmd`` (mpirun ...) exporting ``env`` to every rank as well."""
+    return [cmd[0], *[part for key, value in env.items() for part in ("-x", f"{key}={value}")], *cmd[1:]]
+
+
+def measured_relaunch_s(run_dir: Path) -> float | None:
+    """The newest in-place relaunch of this run folder: its old job's end to its first committed step."""
+    launches = [r for r in read_launches(run_dir) if isinstance(r.get("previous_job_ended"), (int, float))]
+    if not launches:
+        return None
+    newest = launches[-1]
+    firsts = [r["time"] for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r
+              and isinstance(r.get("time"), (int, float)) and r["time"] >= newest["time"]]
+    return min(firsts) - newest["previous_job_ended"] if firsts else None
+
+
 def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool:
     """``auto``: a standby of ``world_size`` ranks fits beside the job in the memory available now, with room."""
     try:
@@ -77,14 +95,13 @@ def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool
 class Standby:
     """The next job, started now with the same launch line, waiting before MPI is initialized."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, cmd: list[str]) -> None:
         import os
 
         self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
         self.world_size = spec.world_size
-        env = ["-x", f"{STANDBY_ENV}={self.folder}", "-x", f"{LAUNCHER_PID_ENV}={os.getpid()}"]
-        cmd = with_launch_token(spec.cmd, secrets.token_hex(4))
-        self.job = MpirunJob([cmd[0], *env, *cmd[1:]], graceful=spec.stop_grace_s is not None,
+        env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
+        self.job = MpirunJob(with_env(cmd, env), graceful=spec.stop_grace_s is not None,
                              pass_fds=spec.pass_fds, die_with_launcher=True)
 
     def ready(self) -> bool:
@@ -120,18 +137,19 @@ class Relauncher:
         self.standby: Standby | None = None
         self._metrics_size = 0
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
+        self.restarts = 0
 
     def run(self) -> int:
         self.stop.install()
-        restarts = 0
         try:
             while True:
                 code = self._one_launch()
-                if code != EXIT_RESTART or self.stop.requested or restarts >= self.spec.max_restarts:
+                if code != EXIT_RESTART or self.stop.requested or self.restarts >= self.spec.max_restarts:
                     return code
-                restarts += 1
+                self.restarts += 1
                 how = "from the warm standby" if self.standby is not None and self.standby.ready() else "cold"
-                say(f"relaunching in place {how} (restart {restarts} of --max-restarts {self.spec.max_restarts})")
+                say(f"relaunching in place {how} (restart {self.restarts} of --max-restarts "
+                    f"{self.spec.max_restarts})")
         finally:
             if self.standby is not None:
                 self.standby.cancel()
@@ -151,7 +169,7 @@ class Relauncher:
                 say(f"the warm standby is not ready ({standby.why_not()}): a cold launch")
                 standby.cancel()
             self.begin({**record, "warm": False})
-            rc = self.launch_cold(with_launch_token(self.spec.cmd, secrets.token_hex(4)), self.stop, self._tick)
+            rc = self.launch_cold(self._command(self.restarts), self.stop, self._tick)
         self._previous_ended = time.time()
         return self.judge(rc)
 
@@ -165,7 +183,16 @@ class Relauncher:
         if not self.spec.standby or self.standby is not None or self.stop.requested or self.spec.max_restarts < 1:
             return
         if self._job_trains():
-            self.standby = Standby(self.spec)
+            self.standby = Standby(self.spec, self._command(self.restarts + 1))
+
+    def _command(self, restarts: int) -> list[str]:
+        """The launch line of the job that follows ``restarts`` relaunches: a fresh launch token, and what the
+        ranks need to decide a regrow (:mod:`nanotron_recover.recovery.regrow`): the relaunches in place left,
+        and what one costs (the last one measured in this run folder, else :data:`DEFAULT_RELAUNCH_S`)."""
+        left = max(0, self.spec.max_restarts - restarts)
+        relaunch_s = measured_relaunch_s(self.spec.run_dir) or DEFAULT_RELAUNCH_S
+        env = {IN_PLACE_ENV: str(left), RELAUNCH_S_ENV: f"{relaunch_s:.3f}"}
+        return with_env(with_launch_token(self.spec.cmd, secrets.token_hex(4)), env)
 
     def _job_trains(self) -> bool:
         """The job has logged a step since this launch (read from the end of ``metrics.jsonl`` only)."""

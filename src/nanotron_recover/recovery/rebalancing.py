@@ -12,7 +12,7 @@ One entry counts the ranks whose reduced gradient holds a NaN or an infinity; wi
 when any microbatch's loss was) it tells every rank, spares included, in the same step that the step must not be
 committed (:meth:`StepStats.nonfinite`). The entry before it counts the ranks that received a stop signal
 (:mod:`nanotron_recover.process.stop_request`): the step it is seen in is the job's last
-(:meth:`StepStats.stop_reason`).
+(:meth:`StepStats.stop_at`).
 
 Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.snapshots.schedule`): each rank's
 cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
@@ -29,7 +29,7 @@ import numpy as np
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.process.stop_request import STOP, stop_reason
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.training.seam import LocalWork
+from nanotron_recover.training.seam import LocalWork, StepStop
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
 
@@ -94,10 +94,10 @@ class StepStats:
             return f"{ranks} rank(s) hold a non-finite gradient (the loss is finite: {loss:.6g})"
         return None
 
-    def stop_reason(self, step: int) -> str | None:
-        """Why the committed ``step`` is the job's last (the same on every rank), or None."""
+    def stop_at(self, step: int) -> StepStop | None:
+        """Why the committed ``step`` is the job's last, when a rank was asked to stop (the same on every rank)."""
         ranks = int(self.stats[STOP_REQUESTS])
-        return stop_reason(ranks, step) if ranks else None
+        return StepStop("stop_signal", stop_reason(ranks, step)) if ranks else None
 
     def snapshot_sums(self) -> tuple[float, float, float, float]:
         """The committed step's (write cost µs, writers, step µs, ranks) sums, for the snapshot schedule."""

@@ -30,6 +30,7 @@ from nanotron_recover.recovery.errors import BelowMinimumReplicas
 from nanotron_recover.recovery.formation import ReplicaFormation
 from nanotron_recover.recovery.lifecycle import ProcessLifecycle
 from nanotron_recover.recovery.rebalancing import StepStats
+from nanotron_recover.recovery.regrow import Regrow, log_news
 from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
@@ -113,6 +114,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         # which committed steps are snapshotted: the same decision on every rank, spares and pool ranks included
         self.snapshot_schedule = SnapshotSchedule.of_settings(SnapshotSettings.of(config))
         self._last_step_s: float | None = None
+        self.regrow = Regrow.of(config)  # back to full width through a relaunch, when that pays
 
     def _start_worlds(self, world: MPI.Comm, active: list[int], timeout_s: float) -> tuple[FTWorld, object]:
         """The FT world over every rank, then this replica's torch world and its nanotron groups."""
@@ -186,7 +188,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             self.buckets.release(step)  # committed: the snapshots are no longer needed
         self.holders = set(plan)  # the replicas that computed and committed this step, still alive
         stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
-        stop = self.step_stats.stop_reason(step)  # a stop signal reached a rank: this step is the last
+        # the job's last step: a rank got a stop signal, or coming back to full width through a relaunch pays
+        stop = self.step_stats.stop_at(step) or self.regrow.after_commit(step, len(plan), self.snapshot_schedule.step_s)
         self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
         committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:
@@ -195,15 +198,9 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             # shrinking-batch baseline: the average over what was committed
             self.buckets.flat.mul_(self.M / committed)
             loss *= self.M / committed
-        return CommittedStep(
-            loss=loss,
-            microbatches=committed,
-            epoch=self.ft.epoch,
-            live_replicas=len(plan),
-            recoveries=recoveries,
-            quotas={r: len(v) for r, v in plan.items()},
-            balance=balance,
-            nonfinite=self.step_stats.nonfinite(), stop=stop)
+        return CommittedStep(loss=loss, microbatches=committed, epoch=self.ft.epoch, live_replicas=len(plan),
+                             recoveries=recoveries, quotas={r: len(v) for r, v in plan.items()}, balance=balance,
+                             nonfinite=self.step_stats.nonfinite(), stop=stop)
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.
@@ -375,6 +372,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                                "state transfer were lost") from None
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
+        log_news(self.regrow, services.metrics.log_event)
         news = self.snapshot_schedule.news(step)
         if news is not None:
             services.metrics.log_event(news)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -42,6 +42,14 @@ class LocalWork:
         return self
 
 
+class StepStop(NamedTuple):
+    """Why a committed step is the job's last: ``event`` names it in metrics.jsonl (``stop_signal``: a signal asked
+    the job to stop; ``regrow_stop``: back to full width through a relaunch), ``reason`` is the exit record's."""
+
+    event: str
+    reason: str
+
+
 @dataclass
 class CommittedStep:
     """A step's result, identical on every live rank."""
@@ -54,7 +62,7 @@ class CommittedStep:
     quotas: dict[int, int] | None = None  # microbatches per computing replica (logged per step)
     balance: dict[str, Any] | None = None  # measured speeds per replica, drained stragglers (logged per step)
     nonfinite: str | None = None  # what was NaN or infinite (the loss, a gradient): the step must not be committed
-    stop: str | None = None  # why this committed step is the job's last (a stop signal), the same on every rank
+    stop: StepStop | None = None  # why this committed step is the job's last, the same on every rank
 
 
 class MetricsSink(Protocol):

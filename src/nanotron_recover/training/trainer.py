@@ -37,7 +37,7 @@ from nanotron_recover.training.checkpoint_resume import settle_root
 from nanotron_recover.training.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.training.memory import training_state_bytes
 from nanotron_recover.training.metrics import MetricsLogger
-from nanotron_recover.training.seam import CommittedStep, DataParallelStrategy, LocalWork, StepServices
+from nanotron_recover.training.seam import CommittedStep, DataParallelStrategy, LocalWork, StepServices, StepStop
 from nanotron_recover.training.training_state import is_dtensor
 
 logger = logging.getLogger(__name__)
@@ -272,16 +272,16 @@ class RecoverTrainer:
         self.dp.finish(self.step, self.services)
         self.metrics.close()
 
-    def _stop(self, step: int, reason: str, saved: bool) -> None:
-        """A stop signal reached the job: ``step`` is its last (every rank knows it from the step's sums). Its
+    def _stop(self, step: int, stop: StepStop, saved: bool) -> None:
+        """``step`` is the job's last (a stop signal, or a regrow; every rank knows it in the same step). Its
         node-local snapshot is being written (and a checkpoint where the config asks): wait for it, then end."""
         self.dp.settle_snapshot()
         if self.config.checkpoints_at_stop and not saved:
             self._at(Phase.CHECKPOINT)
-            self.save_checkpoint(step, extra_state={"stopped": "signal"})
+            self.save_checkpoint(step, extra_state={"stopped": stop.event})
         if self.metrics.enabled:
-            self.metrics.log_event({"event": "stop_signal", "step": step, "reason": reason})
-        raise StopRequested(reason)
+            self.metrics.log_event({"event": stop.event, "step": step, "reason": stop.reason})
+        raise StopRequested(stop.reason)
 
     def _resume(self) -> int:
         """The step to continue after (0: from scratch). The newest intact checkpoint is chosen on every rank alike

@@ -1,0 +1,75 @@
+"""Back to full width (issue #40): after replicas are lost, stop at a step boundary when a relaunch pays.
+
+ReCoVer keeps the global batch, so after a loss the survivors compute every microbatch and a step takes longer
+until the job has its replicas back. The launcher can relaunch the job in place at full width
+(:mod:`nanotron_recover.launcher.relauncher`), and a stop at a step boundary loses nothing (the step is committed
+and snapshotted, the relaunch resumes at the next one). The launcher tells every rank how many relaunches in place
+it has left and what one is expected to cost (``NANOTRON_RECOVER_IN_PLACE_RESTARTS``,
+``NANOTRON_RECOVER_RELAUNCH_S``). Each committed step while degraded asks the simulator's rule
+(:func:`nanotron_recover.sim.regrow.decide`): does the relaunch cost less than the full-width training that staying
+degraded gives away until the next failure (``relaunch_mtbf_h``)? Its inputs are the same on every rank (the
+snapshot schedule's agreed mean step time, the one agreed at full width before the loss, the launcher's numbers),
+so every rank reaches the same decision in the same step, with no extra message. Decisions are logged as ``regrow``
+events (each change of verdict, and every :data:`SAY_EVERY_STEPS` steps while degraded).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
+from nanotron_recover.sim.regrow import decide
+from nanotron_recover.training.seam import StepStop
+
+SETTLE_STEPS = 2  # steps after a loss before its step time counts (the loss's own step includes the repair)
+SAY_EVERY_STEPS = 100
+
+
+class Regrow:
+    """One rank's view of the regrow decision (identical on every rank: agreed inputs only)."""
+
+    def __init__(self, setting: str, full_width: int, mtbf_h: float) -> None:
+        restarts, relaunch_s = os.environ.get(IN_PLACE_ENV, ""), os.environ.get(RELAUNCH_S_ENV, "")
+        self.enabled = setting == "auto" and restarts.isdigit() and int(restarts) > 0 and bool(relaunch_s)
+        self.relaunch_s = float(relaunch_s) if self.enabled else float("inf")
+        self.full_width, self.horizon_s = full_width, mtbf_h * 3600.0
+        self.step_full_s: float | None = None
+        self.degraded_since: int | None = None
+        self._verdict: bool | None = None
+        self.news: dict | None = None  # the event to log after this step, if any
+
+    @classmethod
+    def of(cls, config: Any) -> Regrow:
+        ft = config.fault_tolerance
+        return cls(ft.regrow, config.parallelism.dp, ft.relaunch_mtbf_h)
+
+    def after_commit(self, step: int, computing: int, step_s: float | None) -> StepStop | None:
+        """A committed step with ``computing`` replicas and the agreed mean step time: stop here to regrow?"""
+        self.news = None
+        if not self.enabled or step_s is None:
+            return None
+        if computing >= self.full_width:
+            self.step_full_s, self.degraded_since, self._verdict = step_s, None, None
+            return None
+        if self.degraded_since is None:
+            self.degraded_since = step
+        if self.step_full_s is None or step - self.degraded_since < SETTLE_STEPS:
+            return None
+        decision = decide(step_s, self.step_full_s, self.relaunch_s, self.horizon_s)
+        if decision.regrow != self._verdict or (step - self.degraded_since) % SAY_EVERY_STEPS == 0:
+            self.news = {"event": "regrow", "step": step, "decision": "regrow" if decision.regrow else "not yet",
+                         "computing_replicas": computing, "full_width": self.full_width,
+                         "step_now_s": step_s, "step_full_s": self.step_full_s, "relaunch_s": self.relaunch_s,
+                         "horizon_s": self.horizon_s, "degraded_cost_s": decision.degraded_cost_s}
+        self._verdict = decision.regrow
+        if not decision.regrow:
+            return None
+        return StepStop("regrow_stop", f"regrow: back to {self.full_width} replicas after step {step} "
+                                       f"({decision.describe()}); a relaunch resumes at step {step + 1}")
+
+
+def log_news(regrow: Regrow, log_event: Callable[[dict], None]) -> None:
+    """Log the decision of the step just committed, if it is news."""
+    if regrow.news is not None:
+        log_event(regrow.news)

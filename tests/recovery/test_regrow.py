@@ -1,0 +1,87 @@
+"""Back to full width (issue #40): the decision (pure, same inputs on every rank) and a real job that regrows.
+
+The real job: 2 replicas, replica 1 SIGKILLed at step 20 with ``min_replicas: 1`` (survived in-step, then degraded),
+``regrow: auto`` and a launcher that may relaunch in place once. The job stops at a step boundary a few steps later,
+the launcher relaunches it at full width, and the run finishes with the failure-free losses, M microbatches every
+step, every step logged once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotron_recover.launcher.runs import run_training
+from nanotron_recover.recovery.regrow import SETTLE_STEPS, Regrow
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
+from nanotron_recover.run.run_folder import read_launches, read_metrics_jsonl
+from tests.conftest import make_tiny_config
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    monkeypatch.setenv(IN_PLACE_ENV, "1")
+    monkeypatch.setenv(RELAUNCH_S_ENV, "30")
+
+
+def test_regrow_waits_for_the_degraded_step_time_to_settle_then_stops_when_it_pays(in_place):
+    regrow = Regrow("auto", full_width=4, mtbf_h=2.0)
+    assert regrow.after_commit(1, 4, 0.10) is None and regrow.step_full_s == 0.10
+    assert regrow.after_commit(2, 3, 0.50) is None  # the loss's own step (it holds the repair)
+    for step in range(3, 2 + SETTLE_STEPS):
+        assert regrow.after_commit(step, 3, 0.13) is None
+    stop = regrow.after_commit(2 + SETTLE_STEPS, 3, 0.13)
+    assert stop is not None and stop.event == "regrow_stop" and "back to 4 replicas" in stop.reason
+    assert regrow.news["decision"] == "regrow" and regrow.news["relaunch_s"] == 30.0
+
+
+def test_a_relaunch_that_costs_more_than_the_degraded_steps_waits(in_place, monkeypatch):
+    monkeypatch.setenv(RELAUNCH_S_ENV, "3600")
+    regrow = Regrow("auto", full_width=4, mtbf_h=0.5)  # 1800 s to the next failure: never pays 3600 s
+    regrow.after_commit(1, 4, 0.10)
+    decisions = [regrow.after_commit(step, 3, 0.13) for step in range(2, 40)]
+    assert decisions == [None] * 38
+    assert regrow.news is None or regrow.news["decision"] == "not yet"
+
+
+def test_regrow_is_off_without_a_relaunch_in_place_or_when_set_off(monkeypatch):
+    monkeypatch.setenv(IN_PLACE_ENV, "0")
+    monkeypatch.setenv(RELAUNCH_S_ENV, "1")
+    assert not Regrow("auto", 4, 2.0).enabled  # the launcher has no relaunch left: a requeue is no quick way back
+    monkeypatch.setenv(IN_PLACE_ENV, "2")
+    assert Regrow("auto", 4, 2.0).enabled and not Regrow("off", 4, 2.0).enabled
+
+
+def test_back_at_full_width_the_decision_starts_over(in_place):
+    regrow = Regrow("auto", full_width=2, mtbf_h=2.0)
+    regrow.after_commit(1, 2, 0.1)
+    regrow.after_commit(2, 1, 0.2)
+    regrow.after_commit(3, 2, 0.1)  # a spare took the slot: full width again
+    assert regrow.degraded_since is None and regrow.after_commit(4, 2, 0.1) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lost_replica_comes_back_at_a_step_boundary_with_the_failure_free_losses(tmp_path, monkeypatch):
+    steps, kill_at = 120, 20
+    ft = {"enabled": True, "min_replicas": 1, "local_snapshot_dir": str(tmp_path / "shm"), "standby": "off"}
+    reference = run_training(make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance=ft),
+                             tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
+    inject = [{"step": kill_at, "replica": 1, "rank": 0, "phase": "backward"}]
+    config = make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance={**ft, "inject": inject})
+    run_dir = tmp_path / "run"
+    result = run_training(config, run_dir, timeout_s=300, extra_args=["--synthetic-data", "--max-restarts", "1"])
+    records = read_metrics_jsonl(run_dir)
+    stops = [r for r in records if r.get("event") == "regrow_stop"]
+    assert len(stops) == 1, result.output[-3000:]
+    stopped_at = stops[0]["step"]
+    assert kill_at + SETTLE_STEPS <= stopped_at <= kill_at + SETTLE_STEPS + 3  # a few steps after the loss
+    assert [r["decision"] for r in records if r.get("event") == "regrow"][-1] == "regrow"
+    assert len(read_launches(run_dir)) == 2
+    logged = [r for r in records if "event" not in r and "step" in r]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1)), "a step computed twice, or one missing"
+    assert all(r["microbatches"] == 4 for r in logged)  # M every step, degraded or not
+    widths = {r["step"]: r["live_replicas"] for r in logged}
+    assert all(widths[s] == 1 for s in range(kill_at + 1, stopped_at + 1))
+    assert all(widths[s] == 2 for s in range(stopped_at + 1, steps + 1)), "back to full width after the stop"
+    for got, want in zip([r["loss"] for r in logged], reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5

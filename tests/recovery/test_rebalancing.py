@@ -14,7 +14,7 @@ import torch
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.recovery.rebalancing import STOP_REQUESTS, StepStats
+from nanotron_recover.recovery.rebalancing import TAIL_ENTRIES, StepStats
 from nanotron_recover.recovery.resilient import ResilientDataParallel
 from nanotron_recover.training.seam import LocalWork
 from nanotron_recover.workload.planner import plan_step
@@ -35,7 +35,7 @@ class SpeedWorld(InMemoryWorld):
     def allreduce_sum_(self, buf: np.ndarray, comm: str = "coord") -> np.ndarray:
         super().allreduce_sum_(buf, comm)
         if comm == "world":
-            slots = (len(buf) - 2 + STOP_REQUESTS) // 2  # the stop, non-finite and snapshot entries come last
+            slots = (len(buf) - 2 - TAIL_ENTRIES) // 2  # the start-up, stop, non-finite and snapshot entries last
             for slot, (seconds, n) in self.others.items():
                 buf[2 + slot] += seconds
                 buf[2 + slots + slot] += n

@@ -25,6 +25,7 @@ def in_place(monkeypatch):
 
 def test_regrow_waits_for_the_degraded_step_time_to_settle_then_stops_when_it_pays(in_place):
     regrow = Regrow("auto", full_width=4, mtbf_h=2.0)
+    assert regrow.measured_relaunch_s == 30.0
     assert regrow.after_commit(1, 4, 0.10) is None and regrow.step_full_s == 0.10
     assert regrow.after_commit(2, 3, 0.50) is None  # the loss's own step (it holds the repair)
     for step in range(3, 2 + SETTLE_STEPS):
@@ -41,6 +42,16 @@ def test_a_relaunch_that_costs_more_than_the_degraded_steps_waits(in_place, monk
     decisions = [regrow.after_commit(step, 3, 0.13) for step in range(2, 40)]
     assert decisions == [None] * 38
     assert regrow.news is None or regrow.news["decision"] == "not yet"
+
+
+def test_before_a_relaunch_was_measured_the_ranks_start_up_stands_for_its_cost(monkeypatch):
+    monkeypatch.setenv(IN_PLACE_ENV, "1")
+    monkeypatch.delenv(RELAUNCH_S_ENV, raising=False)
+    regrow = Regrow("auto", full_width=2, mtbf_h=2.0)
+    regrow.after_commit(1, 2, 0.1, startup_s=None)
+    assert all(regrow.after_commit(s, 1, 0.2, startup_s=None) is None for s in range(2, 10))  # nothing to weigh
+    stop = regrow.after_commit(10, 1, 0.2, startup_s=4.0)
+    assert stop is not None and regrow.news["relaunch_s"] == 4.0
 
 
 def test_regrow_is_off_without_a_relaunch_in_place_or_when_set_off(monkeypatch):

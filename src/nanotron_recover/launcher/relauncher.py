@@ -29,7 +29,6 @@ from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
 from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path, read_launches, read_metrics_jsonl
 
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
-DEFAULT_RELAUNCH_S = 30.0  # before one was measured here: an assumption, well above this machine's (2.5-10 s)
 DEFAULT_MAX_RESTARTS = 3
 TAIL_BYTES = 65536
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
@@ -188,10 +187,12 @@ class Relauncher:
     def _command(self, restarts: int) -> list[str]:
         """The launch line of the job that follows ``restarts`` relaunches: a fresh launch token, and what the
         ranks need to decide a regrow (:mod:`nanotron_recover.recovery.regrow`): the relaunches in place left,
-        and what one costs (the last one measured in this run folder, else :data:`DEFAULT_RELAUNCH_S`)."""
+        and what one costs (the last one measured in this run folder, if any)."""
         left = max(0, self.spec.max_restarts - restarts)
-        relaunch_s = measured_relaunch_s(self.spec.run_dir) or DEFAULT_RELAUNCH_S
-        env = {IN_PLACE_ENV: str(left), RELAUNCH_S_ENV: f"{relaunch_s:.3f}"}
+        env = {IN_PLACE_ENV: str(left)}
+        relaunch_s = measured_relaunch_s(self.spec.run_dir)
+        if relaunch_s is not None:  # else the ranks weigh their own start-up
+            env[RELAUNCH_S_ENV] = f"{relaunch_s:.3f}"
         return with_env(with_launch_token(self.spec.cmd, secrets.token_hex(4)), env)
 
     def _job_trains(self) -> bool:

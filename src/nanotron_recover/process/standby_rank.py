@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from nanotron_recover.process.startup_clock import STARTUP
+
 STANDBY_ENV = "NANOTRON_RECOVER_STANDBY"  # the standby's folder
 LAUNCHER_PID_ENV = "NANOTRON_RECOVER_LAUNCHER_PID"
 RELEASE, CANCEL = "go", "cancel"
@@ -50,6 +52,7 @@ def wait_until_released(folder: Path, prepare: Callable[[], None]) -> None:
             if (launcher and not _alive(launcher)) or os.getppid() != parent:
                 os._exit(0)
         time.sleep(POLL_S)
+    STARTUP.restart()  # its start-up, as a relaunch's cost, counts from here
 
 
 def _alive(pid: int) -> bool:

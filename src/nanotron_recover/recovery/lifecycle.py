@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from nanotron_recover.ft import FailureDetected, ReplicaEvicted
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
+from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import StopRequested
 from nanotron_recover.process.watchdog import arm_exit_deadline, end_job
 from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinimumReplicas, StragglerEvicted
@@ -49,6 +50,7 @@ class ProcessLifecycle:
         nothing was trained yet, and no monitor would watch the repair (before: an abort, exit 1)."""
         try:
             self.ft.complete_startup()
+            STARTUP.ready()  # this rank's start-up, in the step's sums from now on (a relaunch's measured cost)
             self.on_started()  # every rank is ready: the start-up watchdog is disarmed, a death is seen over MPI
             fault_point()  # startup:agreed
             if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import STOP, stop_reason
 from nanotron_recover.recovery.errors import StragglerEvicted
 from nanotron_recover.training.seam import LocalWork, StepStop
@@ -37,6 +38,8 @@ LOSS, MICROBATCHES = 0, 1  # the first two entries of the stats buffer
 SNAPSHOT_ENTRIES = 4  # the last ones: snapshot write cost, writers, step time, ranks
 NONFINITE_GRADS = -(SNAPSHOT_ENTRIES + 1)  # just before them: how many ranks hold a non-finite reduced gradient
 STOP_REQUESTS = NONFINITE_GRADS - 1  # and before that: how many ranks were asked to stop (a signal)
+STARTUP_US, STARTUP_RANKS = STOP_REQUESTS - 2, STOP_REQUESTS - 1  # the ranks' start-up seconds (µs), how many
+TAIL_ENTRIES = -STARTUP_US  # the entries after the slots' speeds
 
 
 def settings_of(config: RecoverConfig) -> RebalanceSettings:
@@ -57,7 +60,7 @@ class StepStats:
 
     def __init__(self, config: RecoverConfig) -> None:
         self.slots = config.parallelism.dp
-        self.stats = np.zeros(2 + 2 * self.slots + 2 + SNAPSHOT_ENTRIES, dtype=np.float64)
+        self.stats = np.zeros(2 + 2 * self.slots + TAIL_ENTRIES, dtype=np.float64)
         self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
         self.evicts = config.fault_tolerance.straggler_action == "evict"
         self.evicting: set[int] = set()
@@ -74,6 +77,8 @@ class StepStats:
         self.stats[LOSS] = loss
         self.stats[NONFINITE_GRADS] = 0.0 if grads_finite else 1.0
         self.stats[STOP_REQUESTS] = 1.0 if (STOP.requested if stop is None else stop) else 0.0
+        if STARTUP.seconds is not None:
+            self.stats[STARTUP_US], self.stats[STARTUP_RANKS] = round(STARTUP.seconds * 1e6), 1.0
         self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
         if counts and slot is not None:
             self.stats[2 + slot] = work.compute_s
@@ -93,6 +98,11 @@ class StepStats:
         if ranks:
             return f"{ranks} rank(s) hold a non-finite gradient (the loss is finite: {loss:.6g})"
         return None
+
+    def startup_s(self) -> float | None:
+        """The ranks' mean start-up of this launch (agreed), once measured."""
+        ranks = float(self.stats[STARTUP_RANKS])
+        return float(self.stats[STARTUP_US]) / ranks / 1e6 if ranks else None
 
     def stop_at(self, step: int) -> StepStop | None:
         """Why the committed ``step`` is the job's last, when a rank was asked to stop (the same on every rank)."""

@@ -4,13 +4,15 @@ ReCoVer keeps the global batch, so after a loss the survivors compute every micr
 until the job has its replicas back. The launcher can relaunch the job in place at full width
 (:mod:`nanotron_recover.launcher.relauncher`), and a stop at a step boundary loses nothing (the step is committed
 and snapshotted, the relaunch resumes at the next one). The launcher tells every rank how many relaunches in place
-it has left and what one is expected to cost (``NANOTRON_RECOVER_IN_PLACE_RESTARTS``,
-``NANOTRON_RECOVER_RELAUNCH_S``). Each committed step while degraded asks the simulator's rule
-(:func:`nanotron_recover.sim.regrow.decide`): does the relaunch cost less than the full-width training that staying
-degraded gives away until the next failure (``relaunch_mtbf_h``)? Its inputs are the same on every rank (the
-snapshot schedule's agreed mean step time, the one agreed at full width before the loss, the launcher's numbers),
-so every rank reaches the same decision in the same step, with no extra message. Decisions are logged as ``regrow``
-events (each change of verdict, and every :data:`SAY_EVERY_STEPS` steps while degraded).
+it has left (``NANOTRON_RECOVER_IN_PLACE_RESTARTS``) and, once it has measured one in this run folder, what a
+relaunch costs (``NANOTRON_RECOVER_RELAUNCH_S``); before that, the ranks' own start-up of this launch stands for
+it (their agreed mean, :mod:`nanotron_recover.process.startup_clock`). Each committed step while degraded asks
+the simulator's rule (:func:`nanotron_recover.sim.regrow.decide`): does the relaunch cost less than the
+full-width training that staying degraded gives away until the next failure (``relaunch_mtbf_h``)? Its inputs
+are the same on every rank (the agreed mean step time now and at full width before the loss, the start-up sums,
+the launcher's numbers), so every rank reaches the same decision in the same step, with no extra message.
+Decisions are logged as ``regrow`` events (each change of verdict, and every :data:`SAY_EVERY_STEPS` steps while
+degraded).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ class Regrow:
 
     def __init__(self, setting: str, full_width: int, mtbf_h: float) -> None:
         restarts, relaunch_s = os.environ.get(IN_PLACE_ENV, ""), os.environ.get(RELAUNCH_S_ENV, "")
-        self.enabled = setting == "auto" and restarts.isdigit() and int(restarts) > 0 and bool(relaunch_s)
-        self.relaunch_s = float(relaunch_s) if self.enabled else float("inf")
+        self.enabled = setting == "auto" and restarts.isdigit() and int(restarts) > 0
+        self.measured_relaunch_s = float(relaunch_s) if relaunch_s else None  # the launcher's, once it has one
         self.full_width, self.horizon_s = full_width, mtbf_h * 3600.0
         self.step_full_s: float | None = None
         self.degraded_since: int | None = None
@@ -44,8 +46,10 @@ class Regrow:
         ft = config.fault_tolerance
         return cls(ft.regrow, config.parallelism.dp, ft.relaunch_mtbf_h)
 
-    def after_commit(self, step: int, computing: int, step_s: float | None) -> StepStop | None:
-        """A committed step with ``computing`` replicas and the agreed mean step time: stop here to regrow?"""
+    def after_commit(self, step: int, computing: int, step_s: float | None,
+                     startup_s: float | None = None) -> StepStop | None:
+        """A committed step with ``computing`` replicas, the agreed mean step time and the ranks' agreed mean
+        start-up of this launch: stop here to regrow?"""
         self.news = None
         if not self.enabled or step_s is None:
             return None
@@ -54,13 +58,14 @@ class Regrow:
             return None
         if self.degraded_since is None:
             self.degraded_since = step
-        if self.step_full_s is None or step - self.degraded_since < SETTLE_STEPS:
+        relaunch_s = self.measured_relaunch_s if self.measured_relaunch_s is not None else startup_s
+        if self.step_full_s is None or step - self.degraded_since < SETTLE_STEPS or relaunch_s is None:
             return None
-        decision = decide(step_s, self.step_full_s, self.relaunch_s, self.horizon_s)
+        decision = decide(step_s, self.step_full_s, relaunch_s, self.horizon_s)
         if decision.regrow != self._verdict or (step - self.degraded_since) % SAY_EVERY_STEPS == 0:
             self.news = {"event": "regrow", "step": step, "decision": "regrow" if decision.regrow else "not yet",
                          "computing_replicas": computing, "full_width": self.full_width,
-                         "step_now_s": step_s, "step_full_s": self.step_full_s, "relaunch_s": self.relaunch_s,
+                         "step_now_s": step_s, "step_full_s": self.step_full_s, "relaunch_s": relaunch_s,
                          "horizon_s": self.horizon_s, "degraded_cost_s": decision.degraded_cost_s}
         self._verdict = decision.regrow
         if not decision.regrow:

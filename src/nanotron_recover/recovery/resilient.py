@@ -189,7 +189,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self.holders = set(plan)  # the replicas that computed and committed this step, still alive
         stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
         # the job's last step: a rank got a stop signal, or coming back to full width through a relaunch pays
-        stop = self.step_stats.stop_at(step) or self.regrow.after_commit(step, len(plan), self.snapshot_schedule.step_s)
+        stop = self.step_stats.stop_at(step) or self.regrow.after_commit(
+            step, len(plan), self.snapshot_schedule.step_s, self.step_stats.startup_s())
         self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
         committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:

@@ -83,7 +83,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--clockwork-steps", type=int, default=300, help="N of the Clockwork protocol")
     ap.add_argument("--clockwork-max-kills", type=int, default=None)
     ap.add_argument("--clockwork-systems", nargs="+", default=["recover", "torchft-mar"],
-                    choices=["recover", "recover+spare", "torchft-mar"],
+                    choices=["recover", "recover+spare", "recover+regrow", "torchft-mar"],
                     help="recover+spare: one more process, an idle spare replica (the victims are drawn among all "
                          "live replicas, the spare too)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the Clockwork victim draws")
@@ -151,9 +151,10 @@ def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps
         return run_torchft(spec, out, R, faults, bound, grad_sync="ddp" if kind == "torchft" else "manager",
                            name=kind)
     ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s),
-          "recover+spare": recover_ft(1, relaunch_every_s)}[kind]
+          "recover+spare": recover_ft(1, relaunch_every_s),
+          "recover+regrow": {**recover_ft(0, relaunch_every_s), "regrow": "auto", "standby": "auto"}}[kind]
     return run_recover(kind, base_config(args, data, steps, ft), out, faults, bound,
-                       relaunch=relaunch_every_s is not None)
+                       relaunch=relaunch_every_s is not None, in_place=kind == "recover+regrow")
 
 
 def failure_free(args: argparse.Namespace, data: Path, out: Path, systems: list[str]) -> dict[str, list[SystemRun]]:
@@ -191,10 +192,14 @@ def clockwork(args: argparse.Namespace, data: Path, out: Path) -> dict[float, di
         faults = clockwork_faults(args.seed, T, horizon_s=100 * T)[:args.clockwork_max_kills]
         runs[T] = {}
         for kind in args.clockwork_systems:
-            # every (R + spares)-th kill takes the last replica and costs a relaunch
+            # every (R + spares)-th kill takes the last replica and costs a relaunch; with regrow, every kill is
+            # followed by one (by choice): its user gives the failure rate itself
             replicas = args.replicas + (1 if kind == "recover+spare" else 0)
-            run = run_system(kind, args, data, out / f"clockwork_T{T:g}_{kind}", N, copy.deepcopy(faults),
-                             relaunch_every_s=replicas * T)
+            every = T if kind == "recover+regrow" else replicas * T
+            # torchft trains past N: its N-th step that used the full batch comes later than its N-th step
+            steps = N + max(10, N // 10) if kind.startswith("torchft") else N
+            run = run_system(kind, args, data, out / f"clockwork_T{T:g}_{kind}", steps, copy.deepcopy(faults),
+                             relaunch_every_s=every)
             _check_complete(run, N)
             runs[T][kind] = run
             c = clockwork_numbers(run, N, args.micro_batch, M_of(args))
@@ -391,18 +396,23 @@ def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequen
     ratios = {f"{k.replace('+', '_')}_vs_torchft_time_to_N_T{T:g}":
               ratio(d["torchft-mar"]["time_to_n_from_first_step_s"], d[k]["time_to_n_from_first_step_s"])
               for T, d in clock.items() for k in d if k.startswith("recover") and "torchft-mar" in d}
+    ratios_full_batch = {f"{k.replace('+', '_')}_vs_torchft_time_to_N_full_batch_T{T:g}":
+                         ratio(d["torchft-mar"]["time_to_n_full_batch_s"], d[k]["time_to_n_full_batch_s"])
+                         for T, d in clock.items() for k in d if k.startswith("recover") and "torchft-mar" in d}
     command = command_line(argv, "benchmarks/vs_torchft.py")
     md = "\n".join([f"command: `{command}`", "", f"machine: {machine_line()}", "",
                      clockwork_table({"clockwork": clock}, M, args.micro_batch), "",
-                     " ".join(f"{name}={r:.4g}" for name, r in ratios.items())]) + "\n"
+                     " ".join(f"{name}={r:.4g}" for name, r in {**ratios, **ratios_full_batch}.items())]) + "\n"
     write_json(out / "vs_torchft_clockwork.json", {"command": command, "machine": machine_line(),
-                                                   "args": vars(args), "clockwork": clock, "ratios": ratios})
+                                                   "args": vars(args), "clockwork": clock, "ratios": ratios,
+                                                   "ratios_full_batch": ratios_full_batch})
     spare = "_spare" if "recover+spare" in args.clockwork_systems else ""
     write_record(f"vs_torchft_clockwork{spare}", argv=argv, command=command, args=args,
-                 samples={"clockwork": clock, "ratios": ratios}, figures=clockwork_figures(clock, ratios))
+                 samples={"clockwork": clock, "ratios": ratios, "ratios_full_batch": ratios_full_batch},
+                 figures=clockwork_figures(clock, {**ratios, **ratios_full_batch}))
     (out / "vs_torchft_clockwork.md").write_text(md)
     print(md, flush=True)
-    return {"clockwork": clock, "ratios": ratios}
+    return {"clockwork": clock, "ratios": ratios, "ratios_full_batch": ratios_full_batch}
 
 
 if __name__ == "__main__":

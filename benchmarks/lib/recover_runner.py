@@ -25,12 +25,13 @@ from nanotron_recover.launcher.runs import final_checkpoint, kill_run_processes,
 EXIT_RESTART = 3  # the launcher's documented exit code for "relaunch me" (README, Slurm)
 
 
-def launcher_command(config_path: Path, run_dir: Path) -> list[str]:
-    """The user's command: the ``nanotron-recover`` console script next to this Python."""
+def launcher_command(config_path: Path, run_dir: Path, max_restarts: int = 0) -> list[str]:
+    """The user's command: the ``nanotron-recover`` console script next to this Python; ``max_restarts`` 0: the
+    harness relaunches (as a scheduler's requeue would), each launch judged on its own."""
     script = Path(sys.executable).parent / "nanotron-recover"
     head = [str(script)] if script.exists() else [sys.executable, "-m", "nanotron_recover.launcher.launch"]
-    # the harness relaunches (as a scheduler's requeue would), each launch judged on its own
-    return [*head, "train", "--config-file", str(config_path), "--run-dir", str(run_dir), "--max-restarts", "0"]
+    return [*head, "train", "--config-file", str(config_path), "--run-dir", str(run_dir), "--max-restarts",
+            str(max_restarts)]
 
 
 class Metrics:
@@ -103,11 +104,12 @@ def _one_launch(cmd: list[str], run_dir: Path, metrics: Metrics, driver: FaultDr
 
 
 def run_recover(name: str, config: dict[str, Any], run_dir: Path, faults: list[Fault], timeout_s: float,
-                relaunch: bool = False, max_launches: int = 20) -> SystemRun:
-    """One ReCoVer (or stock) run of ``config``; relaunched on exit 3 when ``relaunch`` (up to ``max_launches``)."""
+                relaunch: bool = False, max_launches: int = 20, in_place: bool = False) -> SystemRun:
+    """One ReCoVer (or stock) run of ``config``; relaunched on exit 3 when ``relaunch`` (up to ``max_launches``);
+    ``in_place``: the launcher relaunches by itself (its warm standby, regrow), the harness only if it gives up."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = launcher_command(write_config(config, run_dir / "config.yaml"), run_dir)
+    cmd = launcher_command(write_config(config, run_dir / "config.yaml"), run_dir, 1000 if in_place else 0)
     ft = config.get("fault_tolerance") or {}
     dp, rpr = config["parallelism"]["dp"], config["parallelism"]["tp"] * config["parallelism"]["pp"]
     spares = ft.get("spare_replicas", 0) if ft.get("enabled") else 0

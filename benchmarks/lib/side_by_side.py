@@ -110,16 +110,25 @@ def clockwork_numbers(run: SystemRun, n_steps: int, micro_batch: int, M: int) ->
     starts) and the useful samples of a Clockwork run."""
     clock = run.extra.get("clock_t0")
     done = run.steps.get(n_steps)
+    useful = int(sum(r["microbatches"] for s, r in run.steps.items() if s <= n_steps) * micro_batch)  # N steps
     return {
         "time_to_n_s": run.time_to(n_steps),
         "time_to_n_from_first_step_s": (done["time"] - clock) if (done and clock) else None,
+        "time_to_n_full_batch_s": time_to_full_batch_steps(run, n_steps, M, clock),
         "reached": run.last_step >= n_steps,
-        "useful_samples": run.samples(micro_batch),
-        "useful_fraction": run.samples(micro_batch) / (n_steps * M * micro_batch),
+        "useful_samples": useful,
+        "useful_fraction": useful / (n_steps * M * micro_batch),
         "kills_sent": sum(1 for k in run.kills if k.pid is not None),
         "kills_without_target": sum(1 for k in run.kills if k.pid is None),
         "launches": run.launches,
     }
+
+
+def time_to_full_batch_steps(run: SystemRun, n_steps: int, M: int, clock: float | None) -> float | None:
+    """From the first committed step until the ``n_steps``-th step that used all M microbatches was committed
+    (a step that dropped a killed replica's share does not count); None if the run had fewer."""
+    full = [r["time"] for s, r in sorted(run.steps.items()) if r["microbatches"] == M]
+    return full[n_steps - 1] - clock if clock is not None and len(full) >= n_steps else None
 
 
 def relative_weight_diff(a: dict[str, Any], b: dict[str, Any]) -> float:

@@ -8,7 +8,7 @@ complete, the watchdog says why and ends the job (:func:`end_job`) after ``start
 process of its own, so it also ends a rank that was frozen (SIGSTOP runs none of a process's threads) or that is
 stuck in C code holding the GIL.
 
-:func:`end_job` ends every rank of the job at once, frozen ones included: it SIGTERMs the rank's Open MPI daemon
+:func:`end_job` ends every rank of the job at once, frozen ones included: it signals the rank's Open MPI daemon
 (``prterun`` / ``prted``), which tears the whole job down (on another node, a lost daemon ends the job too; see
 README, "Running on many nodes"). The run dir then holds no final step, so the Slurm outcome helper says "restart" and
 the relaunch resumes from ``latest.txt``.
@@ -50,7 +50,9 @@ def _say(message: str) -> None:
 
 def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = None,
             outcome: str = "restart outcome") -> None:
-    """End the whole job now: SIGKILL ``rank_pid`` (default: this process) and SIGTERM its MPI daemon.
+    """End the whole job now: SIGKILL ``rank_pid`` (default: this process) and end its MPI daemon: SIGTERM (a
+    ``prted``), then SIGHUP (``mpirun`` itself, the daemon of a node's ranks where it runs: it is started with SIGTERM
+    blocked, see :mod:`nanotron_recover.process.stop_request`, and ends its job on SIGHUP).
 
     When the parent is not an Open MPI daemon (a rank started by hand), only the rank is killed.
     """
@@ -58,10 +60,11 @@ def end_job(reason: str, rank_pid: int | None = None, daemon_pid: int | None = N
     daemon_pid = os.getppid() if daemon_pid is None else daemon_pid
     _say(f"[nanotron-recover] ending the job ({outcome}): {reason}")
     if _process_name(daemon_pid) in MPI_DAEMONS:
-        try:
-            os.kill(daemon_pid, signal.SIGTERM)
-        except OSError:
-            pass
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                os.kill(daemon_pid, signum)
+            except OSError:
+                pass
     try:
         os.kill(rank_pid, signal.SIGKILL)
     except OSError:

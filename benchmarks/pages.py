@@ -38,6 +38,7 @@ SECTIONS = {
     "hsdp_vs_3d": "hsdp-vs-3d-replicas-issue-8",
     "precision": "bf16-vs-fp32-issue-14",
     "snapshot": "node-local-snapshots-issue-18",
+    "relaunch": "relaunching-in-place-from-a-warm-standby-issue-45",
     "recycle": "recycling-survivors-issue-15",
     "scale": "scale-the-failure-simulator-issue-17",
     "vs_torchft": "side-by-side-with-torchft-issue-25",
@@ -129,6 +130,10 @@ ROWS: tuple[Row, ...] = (
         "{steps_recomputed_snapshot} / {steps_recomputed_disk} (training again {kill_to_training_s_snapshot:.1f} / "
         "{kill_to_training_s_disk:.1f} s after the kill)",
         "the relaunch time is process start-up for both; what snapshots save is the recomputed steps"),
+    Row("relaunch", "a relaunch in place: the old job's end -> the next committed step, cold / warm standby",
+        "{cold_s:.2f} / {warm_s:.2f} s (warm / cold {warm_over_cold:.2f}); a standby rank waits in "
+        "{standby_rank_rss_gb:.2f} GB", "the launcher relaunches itself; the standby skips mpirun's start and the "
+        "ranks' imports"),
     Row("recycle", "replicas computing after two faults, recycling off / on",
         "{live_replicas_after_off} / {live_replicas_after_on}",
         "3 replicas × TP2 × PP2: the broken replicas' healthy ranks form a new replica"),

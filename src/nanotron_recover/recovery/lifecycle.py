@@ -121,7 +121,7 @@ class ProcessLifecycle:
         """Wait for the write of the last committed step's node-local snapshot (it said so itself if it failed)."""
         snapshots = getattr(self, "snapshots", None)
         if snapshots is not None:
-            snapshots.finish()
+            snapshots.settle()
 
     def drop_snapshots(self) -> None:
         """Leaving while the others train on: this replica's node-local snapshot files on this node go (a finished

@@ -141,7 +141,8 @@ class DataParallelStrategy(ABC):
         """Called by every rank after the last step."""
 
     def settle_snapshot(self) -> None:
-        """Wait until the node-local snapshot of the last committed step is on disk (a graceful stop)."""
+        """Wait until the node-local snapshot of the last committed step is on disk (a graceful stop, or before a
+        checkpoint's I/O, whose failure must not cost the step's snapshot)."""
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         """Collective at start-up: load the newest committed step kept in node-local snapshots if it is newer than

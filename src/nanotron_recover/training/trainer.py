@@ -260,6 +260,7 @@ class RecoverTrainer:
             if step == first_step:
                 self._log_training_state(step)  # after the first optimizer step: Adam's state exists
             if self.checkpoints.due(step):
+                self.dp.settle_snapshot()  # the step's snapshot whole before any checkpoint I/O: a failed save keeps it
                 self._at(Phase.CHECKPOINT)
                 self.save_checkpoint(step)
                 saved = step

@@ -24,9 +24,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_recover.launcher.runs import run_training, write_config
+from nanotron_recover.launcher.runs import rank_pids, run_training, write_config
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics, run_outcome
+from nanotron_recover.run.run_folder import (
+    OUTCOMES_FILE,
+    latest_checkpoint_step,
+    read_exits,
+    read_metrics,
+    read_metrics_jsonl,
+    run_outcome,
+)
 from nanotron_recover.testbed.fake_nodes import kill_node, node_ranks, write_bed
 
 pytestmark = pytest.mark.slow
@@ -95,7 +102,9 @@ def test_a_rank_lost_on_node_2_is_recovered_in_step(tiny_config, tmp_path, monke
 
 
 # ------------------------------------------------------------------------------------------- 2. a lost node
-NODE_STEPS = 10
+# the survivors of a node loss stop gracefully on the teardown's SIGTERM, a few steps later (3 were seen on this
+# machine and on CI): the run must be long enough that they never reach its end before the relaunch
+NODE_STEPS = 18
 INTERVAL = 3
 
 
@@ -109,19 +118,20 @@ SPAWN_FAILED = "A daemon failed to report back after being spawned"
 
 
 def _launch_and_lose(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
-                     after_step: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
-    """Launch on the bed; once ``after_step`` is logged, lose ``node`` whole. -> (proc, output, kill time, placement).
+                     after_steps: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
+    """Launch on the bed; once this launch logged ``after_steps`` steps, lose ``node`` whole.
+    -> (proc, output, kill time, placement).
 
     A launch whose fake-node daemon never came up (PRRTE's "failed to report back", seen once in a full suite run,
     exit status 213, before any rank started) is the bed's problem, not the run's: it is retried once."""
     hangs_before = len(_hangs(run_dir))
     try:
-        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_step, extra)
+        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_steps, extra)
     except AssertionError as error:
         if SPAWN_FAILED not in str(error) or read_metrics(run_dir)[0]:
             raise
         print("[test bed] a fake-node daemon did not come up; launching again", flush=True)
-        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_step, extra)
+        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_steps, extra)
     hangs = _hangs(run_dir)[hangs_before:]
     if hangs:
         raise UnplannedHang(f"hang events in a launch: {hangs}")
@@ -133,7 +143,8 @@ def _hangs(run_dir: Path) -> list[dict]:
 
 
 def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
-                          after_step: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
+                          after_steps: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
+    started = time.time()
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -144,8 +155,8 @@ def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, s
     deadline, killed_at, placement = time.monotonic() + TIMEOUT_S, None, {}
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            steps, _ = read_metrics(run_dir)
-            if killed_at is None and steps and steps[-1]["step"] >= after_step:
+            steps = [s for s in read_metrics(run_dir)[0] if s["time"] >= started]
+            if killed_at is None and len(steps) >= after_steps:
                 placement = {n.stem: node_ranks(bed, n.stem) for n in sorted(bed.glob("n*.pid"))}
                 kill_node(bed, node)
                 killed_at = time.time()
@@ -161,8 +172,19 @@ def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, s
             raise AssertionError(f"the job did not end within {TIMEOUT_S} s:\n{''.join(output)[-4000:]}")
     reader.join(timeout=30)
     text = "".join(output)
-    assert killed_at is not None, f"the job ended before step {after_step}:\n{text[-4000:]}"
+    assert killed_at is not None, f"the job ended before {after_steps} steps:\n{text[-4000:]}"
+    _assert_nothing_outlived_the_launcher(run_dir, text)
     return proc, text, killed_at, placement
+
+
+def _assert_nothing_outlived_the_launcher(run_dir: Path, output: str) -> None:
+    """The launcher judged the run only once its ranks had ended: no rank is left, and nothing was written into the
+    run folder after its verdict (seen before the launcher waited for them: survivors of the teardown committed
+    steps and a checkpoint after the verdict, and a next launch resumed from it)."""
+    assert not rank_pids(run_dir), (rank_pids(run_dir), output[-4000:])
+    verdict_at = max(r["time"] for r in read_metrics_jsonl(run_dir / OUTCOMES_FILE))
+    written_at = max(r.get("time", 0.0) for r in read_metrics_jsonl(run_dir))
+    assert written_at <= verdict_at, (written_at - verdict_at, output[-4000:])
 
 
 @pytest.mark.timeout(7 * TIMEOUT_S + 60)
@@ -204,11 +226,11 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
     lost1 = first_steps[-1]["step"] - ckpt1
     assert ckpt1 is not None and 0 <= lost1 <= INTERVAL, (ckpt1, first_steps[-1])
 
-    # --- relaunch on the 2 nodes left: 2 replicas, accumulation 3 (M = 6 kept); it loses node 2 after step 7
+    # --- relaunch on the 2 nodes left: 2 replicas, accumulation 3 (M = 6 kept); it loses node 2 after 3 steps
     bed2 = tmp_path / "bed2"
     relaunched = time.time()
     proc, out, lost2_at, placement = _launch_and_lose(config_path, run_dir, write_bed(bed2, [2, 2]), bed2, "n2",
-                                                      7, ["--replicas", "2"])
+                                                      3, ["--replicas", "2"])
     assert placement == {"n1": [0, 1], "n2": [2, 3]}, placement
     assert proc.returncode == EXIT_RESTART, (proc.returncode, out[-4000:])
     assert f"at step {ckpt1}" in out, out[-4000:]  # "resumed from .../checkpoints/<ckpt1> at step <ckpt1>"
@@ -256,6 +278,4 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
 
 
 def _all_step_records(run_dir: Path) -> list[dict]:
-    from nanotron_recover.run.run_folder import read_metrics_jsonl
-
     return [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]

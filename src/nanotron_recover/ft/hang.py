@@ -321,6 +321,18 @@ class HangMonitor:
         return [r for r, peer in self._peers.items()
                 if r in live and not peer.bye and now - peer.last_heard > 2 * HEARTBEAT_PERIOD_S]
 
+    def _frozen_peers_killed_by(self, now: float, live: set[int]) -> float | None:
+        """When the silence path has ended every frozen watched peer at the latest (its silence limit, by its last
+        watcher's turn, plus the kill's confirmation), or None if none looks frozen. The limit depends on what the
+        peer last said: one that froze within a heartbeat of building its recycled replica last said
+        "replica-build" and keeps the (capped) I/O allowance (seen on CI: a 45-s silence limit, while its new mate's
+        own stall limit ran out after 26 s and it killed itself as stuck)."""
+        frozen = self._frozen_peers(now, live)
+        if not frozen:
+            return None
+        return max(self._peers[r].last_heard + self.policy.silence_limit_s(self._peers[r].last_where)
+                   + len(self._peers_of(r)) * HEARTBEAT_PERIOD_S + KILL_CONFIRM_S for r in frozen)
+
     def _peer_in_slow_io(self, now: float, live: set[int]) -> str | None:
         """Where a live, recently heard watched peer is doing slow I/O, if one is (else None)."""
         return next((p.last_where for r, p in self._peers.items()
@@ -336,8 +348,8 @@ class HangMonitor:
             limit = self.policy.busy_limit_s(where)
             # A frozen peer explains my stall (I wait for it inside the replica): the silence path ends it, and I may
             # be the one who must kill it (the only live rank on its node). Only if that fails, end myself.
-            if idle >= limit and self._frozen_peers(now, live):
-                limit += self.policy.timeout_s + KILL_CONFIRM_S
+            if idle >= limit and (due := self._frozen_peers_killed_by(now, live)) is not None:
+                limit = max(limit + self.policy.timeout_s + KILL_CONFIRM_S, due - since)
             # a peer doing slow I/O (a checkpoint save, a new logging rank starting wandb) explains it as well
             if idle >= limit and (io := self._peer_in_slow_io(now, live)) is not None:
                 limit = max(limit, self.policy.busy_limit_s(io))

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from nanotron_recover.launcher.mpirun_watch import MpirunWatch, end_mpirun
+from nanotron_recover.launcher.mpirun_watch import MpirunWatch, end_mpirun, end_outliving_ranks
 from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
 from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
 
 WATCH_EVERY_S = 0.5  # how often the launcher looks at a running mpirun
 OUTPUT_TAIL_BYTES = 16384
 PR_SET_PDEATHSIG = 1
+OUTLIVING_BOUND_S = 5.0  # ranks left by mpirun on the stock path (no graceful stop) are ended after this
 
 
 def _die_with_launcher() -> None:
@@ -108,7 +109,18 @@ class MpirunJob:
         summary = noise_summary(sum(f.dropped for f in self._filters))
         if summary is not None:
             print(summary, file=sys.stderr, flush=True)
+        if run_dir is not None:
+            self._end_outliving_ranks(run_dir, stop)
         return rc
+
+    @staticmethod
+    def _end_outliving_ranks(run_dir: Path, stop: LauncherStop | None) -> None:
+        """Ranks of this node that outlived mpirun (a lost node's teardown) get their stop grace, then SIGKILL."""
+        grace = stop.grace_s if stop is not None and stop.grace_s is not None else OUTLIVING_BOUND_S
+        outlived, waited = end_outliving_ranks(run_dir, grace)
+        if outlived:
+            print(f"[nanotron-recover] rank(s) {outlived} outlived mpirun; waited {waited:.1f} s (bound {grace:g} s) "
+                  "for them to end before judging the run", file=sys.stderr, flush=True)
 
     def end(self, timeout_s: float = 10.0) -> None:
         """End it now (SIGHUP: mpirun ends its ranks; SIGKILL if it does not go)."""

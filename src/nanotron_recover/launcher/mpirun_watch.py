@@ -10,7 +10,15 @@ was killed from outside). Two signs, read from ``/proc``, end it:
   normally returns within a second of its last rank.
 
 Then ``mpirun`` and its local daemons are SIGKILLed and the launcher judges the run by what it wrote (a relaunch,
-exit 3, unless the run was done). Standard library only (the launcher stays light).
+exit 3, unless the run was done).
+
+The other way round, ranks can outlive ``mpirun``: when a node is lost, ``mpirun`` returns at once while the
+daemons left SIGTERM their ranks, which stop gracefully (they commit the step in flight and save it). Measured on
+the fake-node bed: the survivors committed two more steps and a checkpoint 0.2 s after the launcher had judged the
+run, and on a slower machine a next launch resumed from a checkpoint they wrote after it started.
+:func:`end_outliving_ranks` gives such ranks on this node their stop grace, then SIGKILLs them, so that the run is
+judged, and the next launch started, only when nothing of this job writes into the run folder any more. Standard
+library only (the launcher stays light).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ STOPPED_STATES = frozenset({"T", "t"})
 RANKS_GONE_S = 15.0
 STOPPED_MARGIN_S = 10.0
 SCAN_EVERY_S = 1.0
+OUTLIVING_POLL_S = 0.1
+KILLED_GONE_S = 5.0
 
 
 class MpirunWatch:
@@ -81,3 +91,27 @@ def end_mpirun(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
         except OSError:
             pass
+
+
+def end_outliving_ranks(run_dir: Path, bound_s: float) -> tuple[list[int], float]:
+    """After ``mpirun`` returned: wait up to ``bound_s`` for this run's ranks on this node to end, then SIGKILL the
+    ones left. -> (world ranks that outlived ``mpirun``, seconds waited). Ranks on other nodes see their daemon gone
+    (the hang monitor's orphan check) and end themselves."""
+    from nanotron_recover.launcher.runs import rank_processes  # reads /proc; light
+
+    start = time.monotonic()
+    left = rank_processes(run_dir)
+    outlived = sorted(set(left.values()))
+    while left and time.monotonic() - start < bound_s:
+        time.sleep(OUTLIVING_POLL_S)
+        left = rank_processes(run_dir)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    killed_at = time.monotonic()
+    while left and time.monotonic() - killed_at < KILLED_GONE_S:  # a SIGKILLed process is gone within moments
+        time.sleep(OUTLIVING_POLL_S)
+        left = rank_processes(run_dir)
+    return outlived, time.monotonic() - start

@@ -6,7 +6,7 @@ Example: ``python scripts/prepare_data.py --output data/kjv`` (embedded King Jam
 
 import sys
 
-from nanotron_recover.data.prepare import main
+from nanotron_recover.data.prepare_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 
 from nanotron_recover.data import DatatroveTokenDataset
 from nanotron_recover.data.corpus import iter_kjv_documents, kjv_source_path, write_kjv_jsonl
-from nanotron_recover.data.prepare import DataPreparationError, main, prepare_data
+from nanotron_recover.data.prepare import DataPreparationError, prepare_data
+from nanotron_recover.data.prepare_cli import main
 
 DOCS = [
     "In the beginning was the word, and the word was with the model.",

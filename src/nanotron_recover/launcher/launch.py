@@ -221,7 +221,7 @@ def _checkpoints_path(config: "RecoverConfig") -> str:
 
 
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
-    from nanotron_recover.data.prepare import run_prepare_from_args
+    from nanotron_recover.data.prepare_cli import run_prepare_from_args
 
     return run_prepare_from_args(args)
 
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "ends with the restart outcome, then exit 3 for the scheduler (default: "
                             "$NANOTRON_RECOVER_MAX_RESTARTS or 3; 0: exit 3 at once)")
     train.set_defaults(func=_cmd_train)
-    from nanotron_recover.data.prepare import add_prepare_arguments
+    from nanotron_recover.data.prepare_cli import add_prepare_arguments
 
     prep = sub.add_parser("prepare-data", help="tokenize a corpus (default: the King James Bible) into datatrove files")
     add_prepare_arguments(prep)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from nanotron_recover.sim import policies as P
+from nanotron_recover.sim.accounting import SimResult
 from nanotron_recover.sim.cluster import Cluster
-from nanotron_recover.sim.engine import SimResult, simulate
+from nanotron_recover.sim.engine import simulate
 from nanotron_recover.sim.params import Params
 
 __all__ = ["young_daly_s", "interval_steps", "rollback_mtbf_s", "Recommendation", "recommend", "run_policies"]

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanotron_recover.sim import policies as P
+from nanotron_recover.sim.accounting import SimResult
 from nanotron_recover.sim.calibrate import BenchmarkSchedule, Calibration, from_benchmark_json
 from nanotron_recover.sim.cluster import Cluster
-from nanotron_recover.sim.engine import SimResult, simulate
+from nanotron_recover.sim.engine import simulate
 from nanotron_recover.sim.params import Params
 
 __all__ = ["BenchmarkPrediction", "predict_benchmark", "predict_benchmark_json", "benchmark_params"]

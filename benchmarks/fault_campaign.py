@@ -62,6 +62,7 @@ from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_R
 from nanotron_recover.run.procfs import proc_stat  # noqa: E402
 from nanotron_recover.run.run_folder import (  # noqa: E402
     latest_checkpoint_step,
+    read_launches,
     read_metrics_jsonl,
     record_external_fault,
     run_id,
@@ -94,11 +95,13 @@ class Launch:
 
 
 def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault], bound_s: float,
-               bed: Path | None = None) -> Launch:
+               bed: Path | None = None, in_place: int = 0) -> Launch:
     """One launch through the user's launcher; ``faults`` are sent from outside at their moments. With ``bed``
-    (a fake-node bed already written there) the job runs on its nodes."""
+    (a fake-node bed already written there) the job runs on its nodes. ``in_place``: the launcher's
+    ``--max-restarts`` (0: the harness relaunches after exit 3; more: the launcher first relaunches in place, from
+    its warm standby when one is ready)."""
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
-           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", "0"]  # the harness relaunches
+           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", str(in_place)]
     env = {**os.environ, **bed_env(bed)} if bed is not None else None
     t0 = time.monotonic()
     with open(run_dir / "launcher.log", "ab") as log:
@@ -231,16 +234,20 @@ class TrialResult:
     wall_s: float
     false_kills: list[str]
     max_dloss: float
+    in_place: int = 0  # relaunches the launcher made itself (--in-place)
+    warm: int = 0  # of those, from its warm standby
 
     def line(self) -> str:
         verdict = "ok" if not self.problems else "FAILED: " + "; ".join(self.problems)
         fk = f" false kills: {self.false_kills}" if self.false_kills else ""
+        ip = f" in place {self.in_place} (warm {self.warm})" if self.in_place else ""
         return (f"seed {self.trial.seed:>6} {self.trial.shape.name:<8} {self.trial.kind:<19} {self.outcome:<14} "
-                f"launches {self.launches} {self.wall_s:5.1f} s max|dloss| {self.max_dloss:.1e} "
+                f"launches {self.launches}{ip} {self.wall_s:5.1f} s max|dloss| {self.max_dloss:.1e} "
                 f"[{self.trial.describe()}] {verdict}{fk}")
 
 
-def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, relaunches: int) -> TrialResult:
+def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, relaunches: int,
+              in_place: int = 0) -> TrialResult:
     shape = trial.shape
     run_dir = out / "trials" / f"{trial.seed}-{shape.name}-{trial.kind}"
     shm = Path("/dev/shm") / f"nanotron-recover-campaign-{os.getuid()}" / f"{trial.seed}"
@@ -248,7 +255,8 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
     shutil.rmtree(shm, ignore_errors=True)
     run_dir.mkdir(parents=True)
     problems: list[str] = []
-    outcome, launches = _launch_until_done(trial, out, run_dir, str(shm), problems, bound_s, relaunches)
+    outcome, launches = _launch_until_done(trial, out, run_dir, str(shm), problems, bound_s, relaunches, in_place)
+    recorded = read_launches(run_dir)  # the launcher's own launches, in place ones included
     max_dloss = _check_records(run_dir, shape, reference, problems)
     if outcome.endswith("done"):
         try:
@@ -262,11 +270,12 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
     if outcome != "STALL" and problems:
         outcome = "FAIL"
     return TrialResult(trial, outcome, problems, len(launches), sum(launch.wall_s for launch in launches), false_kills,
-                       max_dloss)
+                       max_dloss, in_place=max(0, len(recorded) - len(launches)),
+                       warm=sum(1 for launch in recorded if launch.get("warm")))
 
 
 def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problems: list[str], bound_s: float,
-                       relaunches: int) -> tuple[str, list[Launch]]:
+                       relaunches: int, in_place: int = 0) -> tuple[str, list[Launch]]:
     """Launch, and relaunch as an operator would: after exit 3; after a finished run whose final checkpoint the
     trial then damages; after the non-finite trial's exit 2, with the fault removed. -> (outcome, launches):
     the outcomes in order (``restart->done``, ``done->damaged->done``, ``person->done``), or ``STALL``/``FAIL``."""
@@ -276,7 +285,7 @@ def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problem
     for attempt in range(1 + relaunches + (trial.damage is not None)):
         # a lost node's trial relaunches on a fresh bed of the same size (the node replaced)
         bed = make_bed(out / "beds" / f"{trial.seed}-{attempt}", trial.shape.nodes) if trial.on_bed() else None
-        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed)
+        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed, in_place)
         launches.append(launch)
         if launch.rc is None:
             problems.append(f"launch {attempt + 1} did not end within {bound_s:g} s")
@@ -436,6 +445,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--settings", choices=("short", "defaults"), default="short",
                     help="the campaign's short timeouts (default) or the settings a user gets (a frozen start-up then "
                          "costs startup_timeout_s, 600 s: give --launch-bound-s 900)")
+    ap.add_argument("--in-place", type=int, default=0, metavar="N",
+                    help="the launcher's --max-restarts: it relaunches in place up to N times (from its warm standby, "
+                         "standby auto) before the harness relaunches after exit 3 (default 0: the harness only)")
     ap.add_argument("--data-plane", choices=("default", "mpi", "torch"), default="default",
                     help="fault_tolerance.data_plane in every trial and reference (default: the config's, auto)")
     return ap
@@ -460,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle}; data plane {args.data_plane};"
-        f" settings {args.settings};"
+        f" settings {args.settings}; in place {args.in_place};"
         f" launch bound {args.launch_bound_s:g} s; out {out}",
         flush=True,
     )
@@ -471,17 +483,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if trial.shape.name not in references:
             references[trial.shape.name] = reference_of(trial.shape, out, args.launch_bound_s)
         result = run_trial(trial, out, references[trial.shape.name], bound_s=args.launch_bound_s,
-                           relaunches=args.relaunches)
+                           relaunches=args.relaunches, in_place=args.in_place)
         results.append(result)
         print(result.line(), flush=True)
     failures = sum(1 for r in results if r.outcome == "FAIL")
     stalls = sum(1 for r in results if r.outcome == "STALL")
     false_kills = sum(len(r.false_kills) for r in results)
+    in_place, warm = sum(r.in_place for r in results), sum(r.warm for r in results)
     print(tally(results))
-    figures = {"trials": len(results), "failures": failures, "stalls": stalls, "false_kills": false_kills, "seed": seed}
+    figures = {"trials": len(results), "failures": failures, "stalls": stalls, "false_kills": false_kills, "seed": seed,
+               "in_place_relaunches": in_place, "warm_relaunches": warm}
     write_record("fault_campaign", argv=argv, command=command_line(argv, "benchmarks/fault_campaign.py"), args=args,
                  samples={"trials": [r.line() for r in results]}, figures=figures)
-    print(f"campaign_trials={len(results)} failures={failures} stalls={stalls} false_kills={false_kills} seed={seed}")
+    print(f"campaign_trials={len(results)} failures={failures} stalls={stalls} false_kills={false_kills} seed={seed} "
+          f"in_place_relaunches={in_place} warm_relaunches={warm}")
     return 1 if failures or stalls else 0
 
 

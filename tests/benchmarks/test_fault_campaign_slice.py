@@ -35,6 +35,7 @@ def test_a_seeded_slice_of_the_fault_campaign(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     print(out)
     last = out.strip().splitlines()[-1]
-    m = re.fullmatch(r"campaign_trials=(\d+) failures=(\d+) stalls=(\d+) false_kills=(\d+) seed=(\d+)", last)
+    m = re.fullmatch(r"campaign_trials=(\d+) failures=(\d+) stalls=(\d+) false_kills=(\d+) seed=(\d+) "
+                     r"in_place_relaunches=\d+ warm_relaunches=\d+", last)
     assert m and int(m[1]) == TRIALS and int(m[5]) == seed, last
     assert code == 0 and m[2] == "0" and m[3] == "0", out

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from nanotron_recover.launcher.mpirun_watch import MpirunWatch, end_mpirun, end_outliving_ranks
+from nanotron_recover.launcher.startup_watch import STARTUP_SCAN_S, StartupWatch
 from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
 from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
 
@@ -87,9 +88,10 @@ class MpirunJob:
         """mpirun's return code. Meanwhile, every :data:`WATCH_EVERY_S`: the stop's grace, the watch over a frozen
         or stuck mpirun, and ``on_tick`` (the launcher starts its warm standby from there)."""
         watch = MpirunWatch(self.proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None
+        startup = StartupWatch(run_dir) if run_dir is not None else None
         while True:
             try:
-                rc = self.proc.wait(timeout=WATCH_EVERY_S)
+                rc = self._wait_watching_startup(startup)
                 break
             except subprocess.TimeoutExpired:
                 if stop is not None:
@@ -121,6 +123,20 @@ class MpirunJob:
         if outlived:
             print(f"[nanotron-recover] rank(s) {outlived} outlived mpirun; waited {waited:.1f} s (bound {grace:g} s) "
                   "for them to end before judging the run", file=sys.stderr, flush=True)
+
+    def _wait_watching_startup(self, startup: StartupWatch | None) -> int:
+        """mpirun's return code, or TimeoutExpired after :data:`WATCH_EVERY_S`; meanwhile, during start-up, this
+        node's ranks are looked at every :data:`STARTUP_SCAN_S`: a rank dead before its start-up guard was armed
+        ends the job now (its peers would wait for it for startup_timeout_s)."""
+        deadline = time.monotonic() + WATCH_EVERY_S
+        while startup is not None and not startup.done and time.monotonic() < deadline:
+            try:
+                return self.proc.wait(timeout=STARTUP_SCAN_S)
+            except subprocess.TimeoutExpired:
+                if (why := startup.died_unarmed()) is not None:
+                    print(f"[nanotron-recover] {why}: ending the job (restart outcome)", file=sys.stderr, flush=True)
+                    self.end()
+        return self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def end(self, timeout_s: float = 10.0) -> None:
         """End it now (SIGHUP: mpirun ends its ranks; SIGKILL if it does not go)."""

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from nanotron_recover.launcher.overrides import add_override_args
 from nanotron_recover.process.standby_rank import standby_folder, wait_until_released
-from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard
+from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard, waiting_for_peers
 from nanotron_recover.process.stop_request import STOP
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
 from nanotron_recover.run.run_folder import record_exit
@@ -97,11 +97,11 @@ def _import_training_stack() -> None:
 
 
 def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None) -> int:
-    from mpi4py import MPI  # MPI_Init, unless a warm standby imported it uninitialized
+    with waiting_for_peers("MPI_Init"):  # a peer frozen or dead before it: a bounded wait
+        from mpi4py import MPI  # MPI_Init, unless a warm standby imported it uninitialized
 
-    if not MPI.Is_initialized():
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
-
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if guard is not None:
         guard.injector.maybe_fail(0, "startup:after_mpi_init")
     from nanotron_recover.recovery.lifecycle import run_resilient

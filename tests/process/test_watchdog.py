@@ -133,3 +133,35 @@ def _wait_gone(pid: int, timeout_s: float = 10) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"watchdog {pid} still alive")
+
+
+def test_a_wait_for_the_peers_ends_at_its_bound_and_says_where(tmp_path) -> None:
+    """The rank says it waits for its peers (bound 1 s) long before its own timeout (60 s): the wait's bound fires."""
+    record = _record_of(tmp_path)
+    t0 = time.monotonic()
+    proc = _run("pass\n" + _armed(record) + "        w.waiting(1.0, 'MPI_Init'); time.sleep(30)")
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr)
+    assert time.monotonic() - t0 < 15
+    reason = json.loads(record.read_text())["reason"]
+    assert "rank 2 waited 1 s for its peers at MPI_Init" in reason, reason
+
+
+def test_a_wait_that_ended_gives_the_rank_its_startup_timeout_back(tmp_path) -> None:
+    """Waiting (bound 1 s), then busy again: the bound no longer applies; the disarm comes after it would have fired."""
+    record = _record_of(tmp_path)
+    proc = _run("pass\n" + _armed(record) + "        w.waiting(1.0, 'the start-up agreement'); w.busy(); time.sleep(2.5)\n"
+                "        w.disarm(); print('trained')")
+    assert proc.returncode == 0 and proc.stdout.strip() == "trained", (proc.returncode, proc.stderr)
+    assert not record.exists()
+
+
+def test_a_rank_that_dies_while_it_waits_ends_the_job_at_once(tmp_path) -> None:
+    record = _record_of(tmp_path)
+    t0 = time.monotonic()
+    proc = _run("import os\n" + _armed(record) + "        w.waiting(50.0, 'MPI_Init'); os._exit(9)")
+    assert proc.returncode == 9
+    deadline = time.monotonic() + 10
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "died during start-up" in json.loads(record.read_text())["reason"]
+    assert time.monotonic() - t0 < 15

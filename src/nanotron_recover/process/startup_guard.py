@@ -1,18 +1,23 @@
 """A rank's start-up guard, armed before torch or MPI is imported: the start-up watchdog and the start-up faults.
 
 A rank that stalls before every rank is ready (a frozen peer in the rendezvous, a dead node's ranks) is ended
-by the watchdog with the restart outcome and an exit record; the fault injector fires the schedule's
+by the watchdog with the restart outcome and an exit record (within :func:`wait_bound_s` where it waits for its
+peers: ``MPI_Init`` and the start-up agreement); the fault injector fires the schedule's
 ``phase: startup`` entries at their points. Standard library (and YAML) only.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from nanotron_recover.process.inject import FailureInjector
-from nanotron_recover.process.watchdog import StartupWatchdog
+from nanotron_recover.process.startup_clock import STARTUP
+from nanotron_recover.process.watchdog import STARTUP_WAIT_FACTOR, STARTUP_WAIT_FLOOR_S, StartupWatchdog
 from nanotron_recover.run.job_shape import ranks_per_replica
 from nanotron_recover.run.run_folder import exit_record_path
 
@@ -55,4 +60,30 @@ def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | N
     except (ValueError, TypeError, KeyError):  # a bad schedule: the config loader names the key
         injector = FailureInjector([], 0, 0)
     injector.maybe_fail(0, "startup:before_mpi_init")
-    return StartupGuard(watchdog, injector)
+    global _ARMED
+    _ARMED = StartupGuard(watchdog, injector)
+    return _ARMED
+
+
+_ARMED: StartupGuard | None = None  # this process's guard, once armed
+
+
+def wait_bound_s() -> float:
+    """How long this rank may wait for its peers during start-up: a multiple of its own start-up so far (process
+    start, or a warm standby's release), at least a floor. Its peers do the same work: one that takes several times
+    longer is frozen or dead (seen: a rank frozen in start-up held the others for the whole startup_timeout_s)."""
+    return max(STARTUP_WAIT_FLOOR_S, STARTUP_WAIT_FACTOR * max(0.0, time.time() - STARTUP.started))
+
+
+@contextmanager
+def waiting_for_peers(where: str) -> Iterator[None]:
+    """Inside: this rank waits for every other rank at ``where`` (``MPI_Init``, the start-up agreement); its
+    watchdog ends the job if the wait lasts :func:`wait_bound_s`. A no-op without an armed guard."""
+    watchdog = _ARMED.watchdog if _ARMED is not None else None
+    if watchdog is not None:
+        watchdog.waiting(wait_bound_s(), where)
+    try:
+        yield
+    finally:
+        if watchdog is not None:
+            watchdog.busy()  # nothing once disarmed

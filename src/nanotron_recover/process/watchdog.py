@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import struct
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,14 @@ from nanotron_recover.run.run_folder import write_json_atomically
 # Names of Open MPI 5's launcher / daemon processes (the parent of every rank it starts).
 MPI_DAEMONS = frozenset({"prterun", "prted", "mpirun", "mpiexec"})
 _DISARM = b"R"
+_WAITING, _BUSY = b"W", b"B"  # the rank waits for its peers (a bound and where follow) / works on its own again
+_WAITING_FORMAT = "<dB"
+_WAITING_BYTES = struct.calcsize(_WAITING_FORMAT)
+WAIT_POINTS = ("MPI_Init", "the start-up agreement")
+# a rank that waits for its peers waits at most this many times its own start-up so far, and at least the floor:
+# a peer frozen or dead in start-up then costs about a minute, not startup_timeout_s (600 s by default)
+STARTUP_WAIT_FACTOR = 3.0
+STARTUP_WAIT_FLOOR_S = 60.0
 
 
 def _process_name(pid: int) -> str:
@@ -118,10 +127,10 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None, rank_pid: int,
            daemon_pid: int) -> int:
-    """The watchdog's life: wait for the disarm byte; otherwise record why the rank ended and, on a timeout or the
-    rank's silent death, end the job. Every way a rank can end during start-up leaves its record: its own timeout,
-    the job's teardown (SIGTERM, when another rank's watchdog fired first) and the rank's death (end of file
-    before the byte)."""
+    """The watchdog's life: wait for the disarm byte; otherwise record why the rank ended and, on a timeout, on a
+    wait for the peers past its bound, or on the rank's silent death, end the job. Every way a rank can end during
+    start-up leaves its record: its own timeout, the job's teardown (SIGTERM, when another rank's watchdog fired
+    first) and the rank's death (end of file before the byte)."""
     try:
         # Out of the rank's process group: Open MPI's teardown SIGKILLs that group right after the rank exits, which
         # would end the watchdog before it recorded anything (the end of file below still tells it the rank died).
@@ -129,27 +138,68 @@ def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None,
         signal.signal(signal.SIGTERM, _on_sigterm)
         for asks_to_stop in (signal.SIGINT, signal.SIGUSR1):  # a graceful stop is the rank's business
             signal.signal(asks_to_stop, signal.SIG_IGN)
-        ready, _, _ = select.select([read_fd], [], [], timeout_s)
-        if not ready:
-            reason = (f"{label} not ready to train after startup_timeout_s={timeout_s:g} s (a rank died or hung "
-                      "during start-up: imports, MPI_Init, rendezvous, model build or checkpoint load)")
-            if exit_record is not None:
-                _write_exit_record(exit_record, reason)
-            end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
-        else:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # disarmed or the rank is gone: a later teardown is not ours
-            if not os.read(read_fd, 1) and not (exit_record is not None and exit_record.exists()):
-                # the rank died during start-up without a word (a rank that ends on purpose writes its record
-                # first): nothing can be recovered yet, and its peers would wait for it (inside MPI_Init) for the
-                # whole startup_timeout_s: end the job now, with the restart outcome
-                reason = f"{label} died during start-up, before it was ready to train"
-                _record_unless_written(exit_record, reason)
-                end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
+        reason = _wait_for_disarm(read_fd, timeout_s, label)
+        if reason is None:
+            return 0
+        if reason.endswith(_DIED):
+            if exit_record is not None and exit_record.exists():
+                return 0  # the rank ended on purpose: it wrote its record first
+            _record_unless_written(exit_record, reason)
+        elif exit_record is not None:
+            _write_exit_record(exit_record, reason)
+        end_job(reason, rank_pid=rank_pid, daemon_pid=daemon_pid)
     except _JobTornDown:
         _record_unless_written(exit_record, f"the job was ended during start-up, before {label} was ready to train")
     except BaseException:  # noqa: BLE001 - the watchdog must never run the rank's code
         return 1
     return 0
+
+
+_DIED = "died during start-up, before it was ready to train"
+
+
+def _wait_for_disarm(read_fd: int, timeout_s: float, label: str) -> str | None:
+    """None once disarmed (or the rank ended on purpose: it wrote its record first), else why the job must end.
+
+    The rank may say it waits for its peers (:data:`_WAITING`, with a bound in seconds, derived from its own
+    measured start-up: :func:`nanotron_recover.process.startup_guard.waiting_for_peers`) and that it is busy again
+    (:data:`_BUSY`); while it waits, the bound ends the wait before ``startup_timeout_s`` does."""
+    deadline = time.monotonic() + timeout_s
+    waiting: tuple[float, float, str] | None = None  # (until, bound, where)
+    while True:
+        until = deadline if waiting is None else min(deadline, waiting[0])
+        ready, _, _ = select.select([read_fd], [], [], max(0.0, until - time.monotonic()))
+        if not ready:
+            if waiting is not None and waiting[0] < deadline:
+                return (f"{label} waited {waiting[1]:.0f} s for its peers at {waiting[2]} (its bound: "
+                        f"{STARTUP_WAIT_FACTOR:g} x its own start-up, at least {STARTUP_WAIT_FLOOR_S:g} s): a rank "
+                        "is frozen or dead in start-up")
+            return (f"{label} not ready to train after startup_timeout_s={timeout_s:g} s (a rank died or hung "
+                    "during start-up: imports, MPI_Init, rendezvous, model build or checkpoint load)")
+        byte = os.read(read_fd, 1)
+        if byte == _WAITING and (said := _read_waiting(read_fd)) is not None:
+            waiting = (time.monotonic() + said[0], *said)
+            continue
+        if byte == _BUSY:
+            waiting = None
+            continue
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # disarmed or the rank is gone: a later teardown is not ours
+        # End of file: the rank died during start-up without a word (a rank that ends on purpose writes its record
+        # first, checked by the caller): its peers would wait for it (inside MPI_Init) for the whole
+        # startup_timeout_s, so the job ends now, with the restart outcome.
+        return None if byte == _DISARM else f"{label} {_DIED}"
+
+
+def _read_waiting(read_fd: int) -> tuple[float, str] | None:
+    """The bound and the wait point that follow a :data:`_WAITING` byte; None at end of file (the rank died)."""
+    payload = b""
+    while len(payload) < _WAITING_BYTES:
+        chunk = os.read(read_fd, _WAITING_BYTES - len(payload))
+        if not chunk:
+            return None
+        payload += chunk
+    bound, where = struct.unpack(_WAITING_FORMAT, payload)
+    return bound, WAIT_POINTS[where] if 0 <= where < len(WAIT_POINTS) else "?"
 
 
 class StartupWatchdog:
@@ -179,6 +229,22 @@ class StartupWatchdog:
     @property
     def armed(self) -> bool:
         return self._write_fd is not None
+
+    def waiting(self, bound_s: float, where: str) -> None:
+        """From now on this rank waits for its peers at ``where`` (one of :data:`WAIT_POINTS`): the job ends if the
+        wait lasts ``bound_s``."""
+        self._tell(_WAITING + struct.pack(_WAITING_FORMAT, bound_s, WAIT_POINTS.index(where)))
+
+    def busy(self) -> None:
+        """The wait is over: this rank works on its own again (``startup_timeout_s`` alone applies)."""
+        self._tell(_BUSY)
+
+    def _tell(self, message: bytes) -> None:
+        if self._write_fd is not None:
+            try:
+                os.write(self._write_fd, message)
+            except OSError:
+                pass
 
     def disarm(self) -> None:
         """Start-up is complete: the watchdog exits."""

@@ -28,6 +28,7 @@ from nanotron_recover.data import build_dataset
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
 from nanotron_recover.process.inject import FailureInjector
+from nanotron_recover.process.startup_guard import waiting_for_peers
 from nanotron_recover.process.stop_request import StopRequested
 from nanotron_recover.run import devices
 from nanotron_recover.run.exit_codes import NeedsPerson
@@ -245,8 +246,9 @@ class RecoverTrainer:
         self.step = self._resume()
         first_step = self.step + 1
         self.injector.maybe_fail(0, "startup:checkpoint_load")
-        # every rank ready: from here on a fault is recovered, not a restart
-        self.dp.startup_complete(fault_point=lambda: self.injector.maybe_fail(0, "startup:agreed"))
+        # every rank ready: from here on a fault is recovered, not a restart (a peer frozen before: a bounded wait)
+        with waiting_for_peers("the start-up agreement"):
+            self.dp.startup_complete(fault_point=lambda: self.injector.maybe_fail(0, "startup:agreed"))
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
         saved = None

@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from nanotron_recover.launcher import startup_watch
 from nanotron_recover.launcher.runs import rank_processes
-from nanotron_recover.launcher.startup_watch import StartupWatch
+from nanotron_recover.launcher.startup_watch import StartupWatch, ranks_here
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.run_folder import append_metrics_record, read_exits
 
@@ -59,7 +60,7 @@ def test_a_rank_gone_before_its_watchdog_is_named_once_with_an_exit_record(tmp_p
         unarmed.send_signal(signal.SIGKILL)
         unarmed.wait(timeout=10)
         why = watch.died_unarmed()
-        assert why is not None and why.startswith(f"rank 1 (pid {unarmed.pid})"), why
+        assert why is not None and why.startswith("rank 1 died during start-up") and f"pid {unarmed.pid}," in why, why
         record = read_exits(tmp_path)[1]
         assert record["code"] == EXIT_RESTART and "seen gone by the launcher" in record["reason"], record
         assert watch.done and watch.died_unarmed() is None  # named once
@@ -113,3 +114,28 @@ def test_the_watch_ends_once_the_run_logged_in_this_launch(tmp_path):
         assert watch.died_unarmed() is None and watch.done and not read_exits(tmp_path)
     finally:
         stop(tmp_path, unarmed)
+
+
+def test_a_rank_of_an_all_local_job_never_seen_is_taken_as_dead(tmp_path, monkeypatch):
+    monkeypatch.setattr(startup_watch, "MISSING_S", 0.5)
+    armed = stand_in(tmp_path, 0, arm=True)  # rank 1 of the 2 never appears (killed before the launcher looked)
+    try:
+        watch = StartupWatch(tmp_path, expected=2)
+        watchdog_seen(watch, 0)
+        time.sleep(0.6)
+        why = watch.died_unarmed()
+        assert why is not None and why.startswith("rank 1 died during start-up") and "never seen" in why, why
+        assert read_exits(tmp_path)[1]["code"] == EXIT_RESTART
+    finally:
+        stop(tmp_path, armed)
+
+
+def test_only_an_mpirun_line_without_hosts_puts_every_rank_here(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_NUM_NODES", raising=False)
+    assert ranks_here(["mpirun", "-n", "8", "--oversubscribe", "python", "-m", "x"]) == 8
+    assert ranks_here(["mpirun", "-n", "8", "--hostfile", "h", "python"]) is None
+    assert ranks_here(["mpirun", "--host", "a,b", "-n", "4", "python"]) is None
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    assert ranks_here(["mpirun", "-n", "8", "python"]) is None
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "1")
+    assert ranks_here(["mpirun", "-n", "8", "python"]) == 8

@@ -149,8 +149,9 @@ def test_a_wait_for_the_peers_ends_at_its_bound_and_says_where(tmp_path) -> None
 def test_a_wait_that_ended_gives_the_rank_its_startup_timeout_back(tmp_path) -> None:
     """Waiting (bound 1 s), then busy again: the bound no longer applies; the disarm comes after it would have fired."""
     record = _record_of(tmp_path)
-    proc = _run("pass\n" + _armed(record) + "        w.waiting(1.0, 'the start-up agreement'); w.busy(); time.sleep(2.5)\n"
-                "        w.disarm(); print('trained')")
+    proc = _run("pass\n" + _armed(record)
+                + "        w.waiting(1.0, 'the start-up agreement'); w.busy(); time.sleep(2.5)\n"
+                + "        w.disarm(); print('trained')")
     assert proc.returncode == 0 and proc.stdout.strip() == "trained", (proc.returncode, proc.stderr)
     assert not record.exists()
 

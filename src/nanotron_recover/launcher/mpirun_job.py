@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from nanotron_recover.launcher.mpirun_watch import MpirunWatch, end_mpirun, end_outliving_ranks
-from nanotron_recover.launcher.startup_watch import STARTUP_SCAN_S, StartupWatch
+from nanotron_recover.launcher.startup_watch import STARTUP_SCAN_S, StartupWatch, ranks_here
 from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
 from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
 
@@ -42,6 +42,7 @@ class MpirunJob:
 
     def __init__(self, cmd: Sequence[str], *, graceful: bool, pass_fds: tuple[int, ...] = (),
                  env: Mapping[str, str] | None = None, die_with_launcher: bool = False) -> None:
+        self.cmd = list(cmd)
         before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_for_mpirun(graceful))
         try:  # mpirun inherits the mask; a signal to the launcher meanwhile waits for its handler
             self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -88,7 +89,7 @@ class MpirunJob:
         """mpirun's return code. Meanwhile, every :data:`WATCH_EVERY_S`: the stop's grace, the watch over a frozen
         or stuck mpirun, and ``on_tick`` (the launcher starts its warm standby from there)."""
         watch = MpirunWatch(self.proc.pid, run_dir, finalize_timeout_s) if run_dir is not None else None
-        startup = StartupWatch(run_dir) if run_dir is not None else None
+        startup = StartupWatch(run_dir, ranks_here(self.cmd)) if run_dir is not None else None
         while True:
             try:
                 rc = self._wait_watching_startup(startup)

@@ -56,6 +56,7 @@ from nanotron_recover.launcher.runs import (  # noqa: E402
     mpirun_pid,
     rank_pids,
     rank_processes,
+    standby_ready,
     write_config,
 )
 from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART  # noqa: E402
@@ -92,14 +93,16 @@ class Launch:
     rc: int | None  # None: stalled (killed at the bound)
     wall_s: float
     sent: list[str] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)  # faults whose moment never came (the job ended first)
 
 
 def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault], bound_s: float,
-               bed: Path | None = None, in_place: int = 0) -> Launch:
+               bed: Path | None = None, in_place: int = 0, after_standby: int | None = None) -> Launch:
     """One launch through the user's launcher; ``faults`` are sent from outside at their moments. With ``bed``
     (a fake-node bed already written there) the job runs on its nodes. ``in_place``: the launcher's
     ``--max-restarts`` (0: the harness relaunches after exit 3; more: the launcher first relaunches in place, from
-    its warm standby when one is ready)."""
+    its warm standby when one is ready). ``after_standby``: the job's world size, when the faults must also wait
+    until the launcher's warm standby is ready (the warm relaunch exercised)."""
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", str(in_place)]
     env = {**os.environ, **bed_env(bed)} if bed is not None else None
@@ -117,6 +120,7 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
         if pending:
             fault = pending[0]
             ready = bool(rank_pids(run_dir)) if fault.after_step == 0 else _last_step(run_dir) >= fault.after_step
+            ready = ready and (after_standby is None or standby_ready(launcher.pid, after_standby))
             if ready and due is None:
                 due = now + fault.delay_s
             if due is not None and now >= due:
@@ -134,7 +138,7 @@ def run_launch(config_path: Path, run_dir: Path, faults: Sequence[ExternalFault]
                     _signal(mpirun_pid(launcher.pid), fault.signal)  # a frozen one: the launcher must end it
                 sent.append(f"{fault.describe()} at {now - t0:.1f} s")
         time.sleep(0.05)
-    return Launch(launcher.returncode, time.monotonic() - t0, sent)
+    return Launch(launcher.returncode, time.monotonic() - t0, sent, [f.describe() for f in pending])
 
 
 def bed_env(bed: Path) -> dict[str, str]:
@@ -236,18 +240,20 @@ class TrialResult:
     max_dloss: float
     in_place: int = 0  # relaunches the launcher made itself (--in-place)
     warm: int = 0  # of those, from its warm standby
+    unsent: list[str] = field(default_factory=list)  # faults whose moment never came
 
     def line(self) -> str:
         verdict = "ok" if not self.problems else "FAILED: " + "; ".join(self.problems)
         fk = f" false kills: {self.false_kills}" if self.false_kills else ""
         ip = f" in place {self.in_place} (warm {self.warm})" if self.in_place else ""
+        fk += f" never sent (the job ended first): {self.unsent}" if self.unsent else ""
         return (f"seed {self.trial.seed:>6} {self.trial.shape.name:<8} {self.trial.kind:<19} {self.outcome:<14} "
                 f"launches {self.launches}{ip} {self.wall_s:5.1f} s max|dloss| {self.max_dloss:.1e} "
                 f"[{self.trial.describe()}] {verdict}{fk}")
 
 
 def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, relaunches: int,
-              in_place: int = 0) -> TrialResult:
+              in_place: int = 0, after_standby: bool = False) -> TrialResult:
     shape = trial.shape
     run_dir = out / "trials" / f"{trial.seed}-{shape.name}-{trial.kind}"
     shm = Path("/dev/shm") / f"nanotron-recover-campaign-{os.getuid()}" / f"{trial.seed}"
@@ -255,7 +261,8 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
     shutil.rmtree(shm, ignore_errors=True)
     run_dir.mkdir(parents=True)
     problems: list[str] = []
-    outcome, launches = _launch_until_done(trial, out, run_dir, str(shm), problems, bound_s, relaunches, in_place)
+    outcome, launches = _launch_until_done(trial, out, run_dir, str(shm), problems, bound_s, relaunches, in_place,
+                                           shape.world_size if after_standby else None)
     recorded = read_launches(run_dir)  # the launcher's own launches, in place ones included
     max_dloss = _check_records(run_dir, shape, reference, problems)
     if outcome.endswith("done"):
@@ -271,11 +278,13 @@ def run_trial(trial: Trial, out: Path, reference: Reference, *, bound_s: float, 
         outcome = "FAIL"
     return TrialResult(trial, outcome, problems, len(launches), sum(launch.wall_s for launch in launches), false_kills,
                        max_dloss, in_place=max(0, len(recorded) - len(launches)),
-                       warm=sum(1 for launch in recorded if launch.get("warm")))
+                       warm=sum(1 for launch in recorded if launch.get("warm")),
+                       unsent=[f for launch in launches for f in launch.unsent])
 
 
 def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problems: list[str], bound_s: float,
-                       relaunches: int, in_place: int = 0) -> tuple[str, list[Launch]]:
+                       relaunches: int, in_place: int = 0, after_standby: int | None = None
+                       ) -> tuple[str, list[Launch]]:
     """Launch, and relaunch as an operator would: after exit 3; after a finished run whose final checkpoint the
     trial then damages; after the non-finite trial's exit 2, with the fault removed. -> (outcome, launches):
     the outcomes in order (``restart->done``, ``done->damaged->done``, ``person->done``), or ``STALL``/``FAIL``."""
@@ -285,7 +294,8 @@ def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problem
     for attempt in range(1 + relaunches + (trial.damage is not None)):
         # a lost node's trial relaunches on a fresh bed of the same size (the node replaced)
         bed = make_bed(out / "beds" / f"{trial.seed}-{attempt}", trial.shape.nodes) if trial.on_bed() else None
-        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed, in_place)
+        launch = run_launch(path, run_dir, trial.external if attempt == 0 else [], bound_s, bed, in_place,
+                            after_standby)
         launches.append(launch)
         if launch.rc is None:
             problems.append(f"launch {attempt + 1} did not end within {bound_s:g} s")
@@ -361,7 +371,7 @@ def _check_records(run_dir: Path, shape: Shape, reference: Reference, problems: 
         worst = max(worst, diff)
     if worst > reference.tol:
         problems.append(f"max |dloss| {worst:.2e} > {reference.tol:.1e}")
-    missing = sorted(set(range(1, STEPS + 1)) - {int(r["step"]) for r in records})
+    missing = sorted(set(range(1, shape.steps + 1)) - {int(r["step"]) for r in records})
     if missing:
         problems.append(f"steps never logged: {missing}")
     return worst
@@ -448,6 +458,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--in-place", type=int, default=0, metavar="N",
                     help="the launcher's --max-restarts: it relaunches in place up to N times (from its warm standby, "
                          "standby auto) before the harness relaunches after exit 3 (default 0: the harness only)")
+    ap.add_argument("--faults-after-standby", action="store_true",
+                    help="faults from outside also wait until the launcher's warm standby is ready (with --in-place: "
+                         "the warm relaunch; give --steps long enough for a standby to get ready)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="each run's length in steps (faults in its first "
+                                                              f"{STEPS}, or later with --faults-after-standby)")
     ap.add_argument("--data-plane", choices=("default", "mpi", "torch"), default="default",
                     help="fault_tolerance.data_plane in every trial and reference (default: the config's, auto)")
     return ap
@@ -464,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes = tuple(s.with_data_plane(args.data_plane) for s in shapes)
     if args.settings == "defaults":
         shapes = tuple(s.with_defaults() for s in shapes)
+    shapes = tuple(s.with_steps(args.steps) for s in shapes)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
@@ -472,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"fault campaign: {args.trials} trials from seed {seed}; recycle {args.recycle}; data plane {args.data_plane};"
-        f" settings {args.settings}; in place {args.in_place};"
+        f" settings {args.settings}; in place {args.in_place}; steps {args.steps};"
         f" launch bound {args.launch_bound_s:g} s; out {out}",
         flush=True,
     )
@@ -483,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if trial.shape.name not in references:
             references[trial.shape.name] = reference_of(trial.shape, out, args.launch_bound_s)
         result = run_trial(trial, out, references[trial.shape.name], bound_s=args.launch_bound_s,
-                           relaunches=args.relaunches, in_place=args.in_place)
+                           relaunches=args.relaunches, in_place=args.in_place,
+                           after_standby=args.faults_after_standby)
         results.append(result)
         print(result.line(), flush=True)
     failures = sum(1 for r in results if r.outcome == "FAIL")

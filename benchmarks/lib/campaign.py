@@ -40,6 +40,7 @@ class Shape:
     dtype: str = "float32"
     data_plane: str | None = None  # fault_tolerance.data_plane (None: the default, auto)
     defaults: bool = False  # the timeouts and snapshot interval a user gets, not the campaign's short ones
+    steps: int = STEPS  # the run's length (the faults still come in the first STEPS steps, or later: see the harness)
 
     def config(self, inject: list[dict], snapshot_dir: str, settings: dict | None = None) -> dict:
         base = {"enabled": True} if self.defaults else copy.deepcopy(FAULT_TOLERANCE)
@@ -49,7 +50,7 @@ class Shape:
             ft["data_plane"] = self.data_plane
         if self.fsdp is not None:
             ft.update(replica="fsdp", fsdp_shard_size=self.fsdp)
-        config = make_config(dp=self.dp, tp=self.tp, pp=self.pp, accumulation=ACCUMULATION, steps=STEPS,
+        config = make_config(dp=self.dp, tp=self.tp, pp=self.pp, accumulation=ACCUMULATION, steps=self.steps,
                              fault_tolerance=ft, checkpoint_interval=CHECKPOINT_INTERVAL)
         config["model"]["dtype"] = self.dtype
         return config
@@ -86,6 +87,11 @@ class Shape:
         """This shape with the settings a user gets (hang timeout derived from the steps, 60-s collectives, 600-s
         start-up, automatic snapshots); the name says so."""
         return dataclasses.replace(self, name=f"{self.name}+defaults", defaults=True)
+
+    def with_steps(self, steps: int) -> Shape:
+        """This shape trained for ``steps`` steps (long enough for a warm standby to get ready); the name says so."""
+        return self if steps == self.steps else dataclasses.replace(self, name=f"{self.name}+{steps}steps",
+                                                                     steps=steps)
 
     def with_data_plane(self, plane: str) -> Shape:
         """This shape with its gradient bytes on ``plane`` (``mpi`` or ``torch``; the name says which)."""

@@ -182,6 +182,23 @@ def _waiting_standby(environ: list[bytes]) -> bool:
     return folder is not None and not (Path(folder.decode(errors="replace")) / RELEASE).exists()
 
 
+def standby_ready(launcher_pid: int, world_size: int) -> bool:
+    """Whether the warm standby that the launcher ``launcher_pid`` started has every rank ready (its ranks name
+    their folder and their launcher in their environment)."""
+    from nanotron_recover.process.standby_rank import LAUNCHER_PID_ENV, STANDBY_ENV, ready_file
+
+    mine, prefix = f"{LAUNCHER_PID_ENV}={launcher_pid}".encode(), f"{STANDBY_ENV}=".encode()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        folder = next((v[len(prefix):] for v in environ if v.startswith(prefix)), None)
+        if mine in environ and folder is not None:
+            return all(ready_file(Path(folder.decode()), r).exists() for r in range(world_size))
+    return False
+
+
 def rank_pids(run_dir: Path) -> dict[int, int]:
     """``{world rank: pid}`` of this run's live ranks (the rank itself, not its start-up watchdog)."""
     processes = rank_processes(run_dir)

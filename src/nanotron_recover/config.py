@@ -34,6 +34,12 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
+def snapshots_on(interval: int | str) -> bool:
+    """Whether ``fault_tolerance.local_snapshot_interval`` turns node-local snapshots on: the one place that reads
+    0 as off (the snapshot store's settings and the graceful stop ask here)."""
+    return interval != 0
+
+
 @dataclass
 class FaultToleranceArgs:
     """The ``fault_tolerance:`` section.
@@ -217,7 +223,7 @@ class RecoverConfig(Config):
         the step (snapshots off); never without a ``checkpoints`` section."""
         ft = self.fault_tolerance
         return self.checkpoints is not None and ft is not None and (
-            ft.checkpoint_on_stop or ft.local_snapshot_interval == 0)
+            ft.checkpoint_on_stop or not snapshots_on(ft.local_snapshot_interval))
 
     @property
     def microbatches_per_step(self) -> int:

@@ -1,7 +1,7 @@
 """The snapshot store's settings, read from a config in one place: ``fault_tolerance.local_snapshot_interval``,
 ``local_snapshot_max_interval``, ``relaunch_mtbf_h``, ``local_snapshot_dir`` and ``local_snapshot_max_gb``.
 
-It is also the one place that says what the interval means: ``auto`` (chosen from the measured cost by
+It is also where the interval's meaning is read: ``auto`` (chosen from the measured cost by
 :mod:`~nanotron_recover.snapshots.schedule`), every this many committed steps, or 0: off. Every consumer (the
 schedule, one rank's store, the store's folder, the launcher's preflight) reads this object, not the config.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nanotron_recover.config import snapshots_on
 
 AUTO = "auto"
 _OPTIONAL = {"max_interval": "local_snapshot_max_interval", "mtbf_h": "relaunch_mtbf_h",
@@ -36,8 +38,8 @@ class SnapshotSettings:
 
     @property
     def enabled(self) -> bool:
-        """Whether snapshots are on: the one place that reads an interval of 0 as off."""
-        return self.interval != 0
+        """Whether snapshots are on (:func:`nanotron_recover.config.snapshots_on` reads an interval of 0 as off)."""
+        return snapshots_on(self.interval)
 
     @property
     def fixed(self) -> int | None:

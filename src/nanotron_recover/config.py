@@ -212,14 +212,6 @@ class RecoverConfig(Config):
         return self.checkpoints is not None
 
     @property
-    def checkpoints_at_stop(self) -> bool:
-        """Whether a graceful stop also writes a disk checkpoint: asked for, or no node-local snapshot would hold
-        the step (snapshots off); never without a ``checkpoints`` section."""
-        ft = self.fault_tolerance
-        return self.checkpoints is not None and ft is not None and (
-            ft.checkpoint_on_stop or ft.local_snapshot_interval == 0)
-
-    @property
     def microbatches_per_step(self) -> int:
         """M: global microbatches committed by every step (the failure-free run's count)."""
         return self.parallelism.dp * self.tokens.batch_accumulation_per_replica

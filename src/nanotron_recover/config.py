@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 
 def snapshots_on(interval: int | str) -> bool:
     """Whether ``fault_tolerance.local_snapshot_interval`` turns node-local snapshots on: the one place that reads
-    0 as off (the snapshot store's settings and the graceful stop ask here)."""
+    0 as off (through the snapshot store's settings, which the schedule and the graceful stop's checkpoint ask)."""
     return interval != 0
 
 
@@ -216,14 +216,6 @@ class RecoverConfig(Config):
         """A run with a ``checkpoints`` section ends with its last step on disk, whatever the interval: the trainer
         writes it, and the launcher calls the run done only once it is there."""
         return self.checkpoints is not None
-
-    @property
-    def checkpoints_at_stop(self) -> bool:
-        """Whether a graceful stop also writes a disk checkpoint: asked for, or no node-local snapshot would hold
-        the step (snapshots off); never without a ``checkpoints`` section."""
-        ft = self.fault_tolerance
-        return self.checkpoints is not None and ft is not None and (
-            ft.checkpoint_on_stop or not snapshots_on(ft.local_snapshot_interval))
 
     @property
     def microbatches_per_step(self) -> int:

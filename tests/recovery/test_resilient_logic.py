@@ -257,3 +257,19 @@ def test_no_checkpoint_is_written_when_no_replica_holds_the_committed_state() ->
     with pytest.raises(BelowMinimumReplicas, match="no live replica holds the committed state of step 3"):
         strategy.save_checkpoint(3, lambda *args: pytest.fail("wrote a checkpoint"), services(training, Sink()))
     assert not strategy.can_checkpoint()
+
+
+@pytest.mark.parametrize("ft, checkpoints, expected", [
+    ({}, True, False),  # the step's node-local snapshot holds it
+    ({"local_snapshot_interval": 0}, True, True),  # snapshots off: only a checkpoint holds it
+    ({"checkpoint_on_stop": True}, True, True),  # asked for
+    ({"local_snapshot_interval": 0}, False, False),  # never without a checkpoints section
+])
+def test_a_graceful_stop_writes_a_checkpoint_when_asked_or_when_no_snapshot_holds_the_step(ft, checkpoints,
+                                                                                           expected) -> None:
+    raw = make_tiny_config(dp=2, fault_tolerance={"enabled": True, "recycle": False, **ft})
+    if not checkpoints:
+        raw["checkpoints"] = None
+    strategy = ResilientDataParallel(config_from_dict(raw), 1.0, end_job=lambda reason: None,
+                                     ft=InMemoryWorld(2, active=[0, 1]), parallel_context=None)
+    assert strategy.checkpoint_at_stop() is expected

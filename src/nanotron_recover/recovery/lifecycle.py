@@ -1,22 +1,27 @@
 """A resilient rank's life as a process: start-up, hang events, how it ends, and the exit record it leaves.
 
-Two parts. :class:`ProcessLifecycle` is the half of the resilient strategy that the entry point talks to (the
-hooks ``on_exit`` / ``on_started``, the run dir, the hang monitor's events, the bounded shutdown), so that the step
-logic in :mod:`.resilient` stays about steps. :func:`run_resilient` is the rank's whole run: build the strategy,
-train, and turn whatever ended the run into an exit code and an exit record (0 done or evicted, 3 relaunch to
-resume, 1 a bug that the same code would hit again: the job is aborted at once).
+Two parts. :class:`ProcessLifecycle` is the object the resilient strategy holds (``strategy.lifecycle``) and the
+entry point talks to (the hooks ``on_exit`` / ``on_started``, the run dir, building the worlds, the hang monitor's
+events, eviction, the run's last agreement, the bounded shutdown), so that the step logic in :mod:`.resilient`
+stays about steps. An object rather than a base class: it owns those members, and the little of the strategy's
+state it needs (the FT world, the hang policy, the replica coordinates, the snapshots) is handed to it by name.
+:func:`run_resilient` is the rank's whole run: build the strategy, train, and turn whatever ended the run into an
+exit code and an exit record (0 done or evicted, 3 relaunch to resume, 1 a bug that the same code would hit again:
+the job is aborted at once).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from nanotron_recover.ft import FailureDetected, ReplicaEvicted
-from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S
+from nanotron_recover.ft import FailureDetected, ReplicaEvicted, ReplicaWorld
+from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S, HangPolicy
 from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import StopRequested
 from nanotron_recover.process.watchdog import arm_exit_deadline, end_job
@@ -27,21 +32,61 @@ from nanotron_recover.run.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
+    from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
 
 # The entry point picks the classes (3D or HSDP strategy, the trainer) and hands them in: this module depends on
-# neither, so the strategy can take the lifecycle half below as a base class.
+# neither, so the strategy can hold the lifecycle object below.
 StrategyFactory = Callable[..., Any]  # (config, timeout_s, end_job=...) -> a ResilientDataParallel
 TrainerFactory = Callable[[Any, Path, Any], Any]  # (config, run_dir, strategy) -> a RecoverTrainer
 
 
-class ProcessLifecycle:
-    """Start-up completion, hang events, eviction and shutdown of a resilient rank: a base class of
-    :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel` (it uses the strategy's ``ft``,
-    ``hang_policy``, ``config``, ``replica`` and ``local_rank``)."""
+@dataclass(frozen=True)
+class LifecycleSettings:
+    """The two ``fault_tolerance`` settings a rank's lifecycle reads."""
 
-    on_exit: Callable[..., None]  # (code, reason, **extra): write this rank's exit record
-    on_started: Callable[[], None]  # called once every rank is ready to train (disarms the start-up watchdog)
-    run_dir: Path | None  # where hang events are appended (set by the entry point)
+    hang_monitor: bool  # off only to measure its cost (the same on every rank)
+    finalize_timeout_s: float  # the most a rank's end may take, even with its MPI daemon frozen or gone
+
+    @classmethod
+    def of(cls, ft: Any) -> LifecycleSettings:
+        return cls(hang_monitor=ft.hang_monitor, finalize_timeout_s=ft.finalize_timeout_s)
+
+
+class ProcessLifecycle:
+    """Start-up (the worlds, then completion), hang events, eviction and the end (the last agreement, the bounded
+    shutdown) of a resilient rank: an object that :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel`
+    holds (``strategy.lifecycle``) and the entry point talks to.
+
+    Owns the entry point's hooks (``on_exit``, ``on_started``), the run dir its hang events go to, how the job is
+    ended (``end_job``), its :class:`LifecycleSettings` and the FT world (``ft``: built by :meth:`start_worlds`, with
+    this object's start-up failure and eviction callbacks, which is why it exists before the world; a test's
+    in-memory world is set by the strategy). Given by the strategy: the hang policy, and two callbacks into its
+    state: ``coordinates`` (this rank's replica and local rank, for the eviction's message) and ``snapshots`` (its
+    node-local snapshots, None when off or not set up yet)."""
+
+    def __init__(self, settings: LifecycleSettings, end_job: Callable[[str], None], hang_policy: HangPolicy, *,
+                 coordinates: Callable[[], tuple[int | None, int | None]],
+                 snapshots: Callable[[], LocalSnapshots | None]) -> None:
+        self.settings, self.hang_policy = settings, hang_policy
+        self.ft: ReplicaWorld | None = None
+        self.on_exit: Callable[..., None] = lambda code, reason, **extra: None  # write this rank's exit record
+        self.on_started: Callable[[], None] = lambda: None  # every rank is ready (disarms the start-up watchdog)
+        self.run_dir: Path | None = None  # where hang events are appended (set by the entry point)
+        self._end_job, self._coordinates, self._snapshots = end_job, coordinates, snapshots
+
+    def start_worlds(self, world: Any, replica: int, active: list[int], timeout_s: float, *, ranks_per_replica: int,
+                     recycle: bool, mpi_wait: str, replica_context: Callable[[datetime.timedelta], Any]) -> tuple:
+        """The FT world over every rank (its start-up failure and eviction callbacks are this object's), then this
+        rank's replica's torch world and its nanotron groups (``replica_context``): ``(ft, parallel_context)``."""
+        from nanotron_recover.ft import FTWorld  # mpi4py: the entry point initialised MPI before
+        from nanotron_recover.training.torch_world import init_replica_torch_world
+
+        self.ft = FTWorld(world, ranks_per_replica, active_replicas=active, on_evict=self.on_evict,
+                          on_startup_failure=self.on_startup_failure, recycle=recycle, mpi_wait=mpi_wait)
+        replica_comm = self.ft.world_comm.Split(color=replica, key=world.Get_rank())  # rendezvous only
+        init_replica_torch_world(replica_comm, timeout_s)
+        replica_comm.Free()
+        return self.ft, replica_context(datetime.timedelta(seconds=timeout_s))
 
     def startup_complete(self, fault_point: Callable[[], None] = lambda: None) -> None:
         """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with
@@ -53,25 +98,13 @@ class ProcessLifecycle:
             STARTUP.ready()  # this rank's start-up, in the step's sums from now on (a relaunch's measured cost)
             self.on_started()  # every rank is ready: the start-up watchdog is disarmed, a death is seen over MPI
             fault_point()  # startup:agreed
-            if self.config.fault_tolerance.hang_monitor:  # off only to measure its cost (the same on every rank)
+            if self.settings.hang_monitor:  # off only to measure its cost (the same on every rank)
                 self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang,
                                            end_job=self._end_job_from_monitor)
         except FailureDetected as e:
-            self._on_startup_failure(frozenset(), detail=str(e))
+            self.on_startup_failure(frozenset(), detail=str(e))
 
-    def startup_share(self) -> tuple[int, int]:
-        live = list(self.ft.live_ranks)
-        return live.index(self.ft.rank), len(live)
-
-    def gather_at_startup(self, obj: Any) -> list:
-        return self.ft.allgather_object(obj)
-
-    @property
-    def starting(self) -> bool:
-        """Before every rank was ready: a failure now has no recovery, the job restarts."""
-        return self.ft.starting
-
-    def _on_startup_failure(self, dead: frozenset[int], detail: str = "") -> None:
+    def on_startup_failure(self, dead: frozenset[int], detail: str = "") -> None:
         reason = f"rank(s) {sorted(dead)} died during start-up" if dead else f"start-up failed: {detail}"
         self.on_exit(EXIT_RESTART, reason)
         self._end_job(reason)
@@ -94,7 +127,7 @@ class ProcessLifecycle:
 
     def hang_margin(self) -> dict[str, Any]:
         """How close this rank came to its hang timeout (kept in its exit record)."""
-        monitor = self.ft.hang_monitor
+        monitor = self.ft.hang_monitor if self.ft is not None else None
         if monitor is None:
             return {}
         return {**monitor.margin.as_dict(), "timeout_s": self.hang_policy.timeout_s}
@@ -111,31 +144,39 @@ class ProcessLifecycle:
             return
         self.ft.repair_if_pending()  # unless the watcher already did
 
-    def _on_evict(self, reason: BaseException) -> None:
+    def on_evict(self, reason: BaseException) -> None:
         """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
-        print(f"[nanotron-recover] replica {self.replica} rank {self.local_rank}: {reason}; exiting 0", flush=True)
+        replica, local_rank = self._coordinates()
+        print(f"[nanotron-recover] replica {replica} rank {local_rank}: {reason}; exiting 0", flush=True)
         self.on_exit(0, f"evicted by watcher: {reason}")
         self.drop_snapshots()
-
-    def settle_snapshot(self) -> None:
-        """Wait for the write of the last committed step's node-local snapshot (it said so itself if it failed)."""
-        snapshots = getattr(self, "snapshots", None)
-        if snapshots is not None:
-            snapshots.settle()
 
     def drop_snapshots(self) -> None:
         """Leaving while the others train on: this replica's node-local snapshot files on this node go (a finished
         run's are deleted by ``finish``; a node whose ranks all left kept them for ever)."""
-        snapshots = getattr(self, "snapshots", None)
+        snapshots = self._snapshots()
         if snapshots is not None:
             try:
                 snapshots.drop_replica()
             except OSError as e:  # best effort: leaving must not fail on it
                 print(f"[nanotron-recover] rank {self.ft.rank}: snapshot files not deleted: {e}", flush=True)
 
+    def finish(self, repair: Callable[[], Any]) -> None:
+        """A last agreement after the final step, so that a death after the last commit is known at shutdown (then
+        ``repair``); then this node's local snapshots of the run are deleted."""
+        if self._snapshots() is not None:
+            self._snapshots().finish()
+        try:
+            self.ft.agree(True)
+        except FailureDetected:
+            repair()  # it may have moved this rank to the pool, which drops its snapshots
+        if self._snapshots() is not None:
+            self._snapshots().remove()
+        self.ft.progress.waiting("finish")  # closing the metrics (wandb) is judged by the stall limit only
+
     def shutdown(self, code: int = 0) -> None:
         """End this rank; within ``finalize_timeout_s`` even if its MPI daemon is frozen or gone."""
-        arm_exit_deadline(self.config.fault_tolerance.finalize_timeout_s)
+        arm_exit_deadline(self.settings.finalize_timeout_s)
         self.ft.shutdown(code=code)
 
 
@@ -147,7 +188,7 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
 
     dp = _build_strategy(make_strategy, config, run_dir, timeout_s, MPI.COMM_WORLD.Get_rank())
     if on_started is not None:
-        dp.on_started = on_started
+        dp.lifecycle.on_started = on_started
     trainer, extra = None, {}
     try:
         trainer = make_trainer(config, run_dir, dp)
@@ -165,9 +206,9 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
         code, reason = _stop_on_request(dp, trainer, e)
     except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
         code, reason = _after_error(dp, error)
-    dp.on_exit(code, reason, **extra)
+    dp.lifecycle.on_exit(code, reason, **extra)
     sys.stdout.flush()
-    dp.shutdown(code=code)
+    dp.lifecycle.shutdown(code=code)
     return code
 
 
@@ -183,15 +224,16 @@ def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", run
         run_folder.record_exit(run_dir, rank, EXIT_RESTART, reason)
         end_job(reason)
         raise SystemExit(EXIT_RESTART) from error
-    dp.run_dir = run_dir
-    dp.on_exit = lambda code, reason, **extra: run_folder.record_exit(run_dir, rank, code, reason,
-                                                                      hang_margin=dp.hang_margin(), **extra)
+    life = dp.lifecycle
+    life.run_dir = run_dir
+    life.on_exit = lambda code, reason, **extra: run_folder.record_exit(run_dir, rank, code, reason,
+                                                                        hang_margin=life.hang_margin(), **extra)
     return dp
 
 
-def _leave_evicted(dp: ProcessLifecycle, e: ReplicaEvicted, after: str = "") -> tuple[int, str]:
+def _leave_evicted(dp: Any, e: ReplicaEvicted, after: str = "") -> tuple[int, str]:
     print(f"[nanotron-recover] rank {dp.ft.rank} (replica {dp.replica}) leaves: {e}", flush=True)
-    dp.drop_snapshots()
+    dp.lifecycle.drop_snapshots()
     return EXIT_DONE, f"evicted{after}: {e}"
 
 
@@ -202,7 +244,7 @@ def _leave_as_straggler(dp: Any, e: StragglerEvicted) -> tuple[int, str]:
     and the next logging rank replays them into wandb."""
     print(f"[nanotron-recover] rank {dp.ft.rank}: {e}", flush=True)
     dp.ft.leave()
-    dp.drop_snapshots()
+    dp.lifecycle.drop_snapshots()
     return EXIT_DONE, f"evicted: {e}"
 
 
@@ -249,7 +291,7 @@ def _stop_for_person(trainer: Any, e: NeedsPerson) -> tuple[int, str, dict]:
 def _end_for_full_disk(dp: Any, error: Exception) -> None:
     """A write of this rank found no space: say it in one line, record it (the partial checkpoint is gone, so the
     record fits), and end the whole job at once: nobody waits for this rank to be judged hung."""
-    config, run_dir = dp.config, dp.run_dir or Path(".")
+    config, run_dir = dp.config, dp.lifecycle.run_dir or Path(".")
     path = str(config.checkpoints.checkpoints_path) if config.checkpoints is not None else "checkpoints"
     latest = run_folder.latest_checkpoint_step(run_dir, path)
     kept = (f"the checkpoint of step {latest} ({run_folder.checkpoints_root(run_dir, path) / 'latest.txt'}) and "
@@ -257,7 +299,7 @@ def _end_for_full_disk(dp: Any, error: Exception) -> None:
     line = full_disk_line(written_path(error, run_dir), kept)
     print(f"[nanotron-recover] rank {dp.ft.rank}: {line}", file=sys.stderr, flush=True)
     try:
-        dp.on_exit(EXIT_NEEDS_PERSON, line, disk_full=True)
+        dp.lifecycle.on_exit(EXIT_NEEDS_PERSON, line, disk_full=True)
     except OSError:  # no room even for the record: the launcher checks the free space itself
         pass
     end_job(line, outcome="a person must act")
@@ -270,13 +312,13 @@ def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
     replica)."""
     if is_disk_full(error):
         _end_for_full_disk(dp, error)
-    if dp.starting:  # before every rank was ready there is no recovery: the job restarts
+    if dp.ft.starting:  # before every rank was ready there is no recovery: the job restarts
         traceback.print_exc()
         reason = f"start-up failed: {type(error).__name__}: {error}"
-        dp.on_exit(EXIT_RESTART, reason)
+        dp.lifecycle.on_exit(EXIT_RESTART, reason)
         end_job(reason)
     try:
-        dp.join_repair_after_error()  # a dead replica-mate broke our torch traffic: leave with the repair
+        dp.lifecycle.join_repair_after_error()  # a dead replica-mate broke our torch traffic: leave with the repair
     except ReplicaEvicted as e:
         return _leave_evicted(dp, e, after=f" after {type(error).__name__}")
     if dp.ft.pooled:  # recycling: moved to the pool at a point it cannot rejoin from; the others see it go
@@ -284,12 +326,12 @@ def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
         print(f"[nanotron-recover] rank {dp.ft.rank}: {reason}; raised at:\n"
               + "".join(traceback.format_tb(error.__traceback__)[-4:]), flush=True)
         dp.ft.leave()
-        dp.drop_snapshots()
+        dp.lifecycle.drop_snapshots()
         return EXIT_DONE, reason
     traceback.print_exc()
     sys.stderr.flush()
     try:
-        dp.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
+        dp.lifecycle.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
     except OSError:  # no record, but the job must still end now
         pass
     from mpi4py import MPI

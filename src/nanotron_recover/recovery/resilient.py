@@ -18,20 +18,20 @@ import gc
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as torch_dist
 from mpi4py import MPI
 
 from nanotron_recover.config import RecoverConfig
-from nanotron_recover.ft import FailureDetected, FTWorld, HangPolicy, RepairEvent, ReplicaWorld, make_data_plane
+from nanotron_recover.ft import FailureDetected, HangPolicy, RepairEvent, ReplicaWorld, make_data_plane
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.errors import BelowMinimumReplicas
-from nanotron_recover.recovery.formation import ReplicaFormation
-from nanotron_recover.recovery.lifecycle import ProcessLifecycle
+from nanotron_recover.recovery.formation import ReplicaFormation, forget_torch_world
+from nanotron_recover.recovery.lifecycle import LifecycleSettings, ProcessLifecycle
 from nanotron_recover.recovery.rebalancing import StepStats
 from nanotron_recover.recovery.regrow import Regrow, log_news
-from nanotron_recover.recovery.state_transfer import copy_state_to_new_replicas
+from nanotron_recover.recovery.state_transfer import activate_new_replicas
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
 from nanotron_recover.snapshots.schedule import SnapshotSchedule
@@ -45,22 +45,21 @@ from nanotron_recover.training.seam import (
     LocalWork,
     StepServices,
 )
-from nanotron_recover.training.torch_world import init_replica_torch_world
 from nanotron_recover.training.training_state import TrainingState, fp32_accumulator
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
-from nanotron_recover.workload.recycle import RankPool
 from nanotron_recover.workload.spares import ReplicaRoster
 
 REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
 
 
-class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStrategy):
-    """``end_job(reason)`` ends the job with the restart outcome (:func:`nanotron_recover.process.watchdog.end_job`)
-    when a rank dies during start-up and when a hang cannot be ended by killing a rank.
-
-    ``ft`` and ``parallel_context`` are built here (the ULFM world over ``MPI.COMM_WORLD``, then the replica's
-    torch world) unless given: tests of the step logic pass an in-memory world (the interface:
-    :class:`~nanotron_recover.ft.protocol.ReplicaWorld`).
+class ResilientDataParallel(DataParallelStrategy):
+    """The step logic. It holds two objects, each given only the state it needs: ``lifecycle``
+    (:class:`ProcessLifecycle`: building the worlds, start-up completion, hang events, eviction, the end; the entry
+    point's hooks) and ``formation`` (:class:`ReplicaFormation`: recycling's pool and new replicas). ``end_job(reason)``
+    ends the job with the restart outcome (:func:`nanotron_recover.process.watchdog.end_job`) when a rank dies during
+    start-up and when a hang cannot be ended by killing a rank. ``ft`` and ``parallel_context`` are built (the ULFM
+    world over ``MPI.COMM_WORLD``, then the replica's torch world) unless given: tests of the step logic pass an
+    in-memory world (the interface: :class:`~nanotron_recover.ft.protocol.ReplicaWorld`).
     """
 
     def __init__(
@@ -87,22 +86,27 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         rpr = config.ranks_per_replica
         self.replica, self.local_rank = divmod(world.Get_rank() if world is not None else ft.rank, rpr)
         self.loss_divisor = self.M  # every microbatch's loss / M: the reduced gradient is the step's mean
-        self.on_exit: Callable[[int, str], None] = lambda code, reason: None
-        self.on_started: Callable[[], None] = lambda: None  # called once every rank is ready to train
-        self.run_dir: Path | None = None  # where hang_detected events are appended (set by the entry point)
-        self._end_job = end_job
+        self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
+        self.hang_policy = HangPolicy.of(ft_args)  # every bound under collective_timeout_s
+        self.lifecycle = ProcessLifecycle(LifecycleSettings.of(ft_args), end_job, self.hang_policy,
+                                          coordinates=lambda: (self.replica, self.local_rank),
+                                          snapshots=lambda: self.snapshots)
 
-        # The FT world first: from here on a death anywhere is noticed (and, during start-up, ends the job).
         active = list(range(par.dp))
         self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
-        self.hang_policy = HangPolicy.of(ft_args)  # every bound under collective_timeout_s
-        if ft is None:
-            ft, parallel_context = self._start_worlds(world, active, timeout_s)
-        self.ft, self.parallel_context = ft, parallel_context
-        self.pool = RankPool(rpr, hosts=getattr(ft, "hosts", None))  # recycled survivors (recycle: true)
+        if ft is None:  # the FT world first: from here on a death anywhere is noticed (in start-up, ends the job)
+            ft, parallel_context = self.lifecycle.start_worlds(
+                world, self.replica, active, timeout_s, ranks_per_replica=rpr, recycle=self.recycle,
+                mpi_wait=ft_args.mpi_wait, replica_context=self._replica_parallel_context)
+        self.ft = self.lifecycle.ft = ft
+        self.parallel_context = parallel_context
+        self.formation = ReplicaFormation(  # recycling (recycle: true): the pool of survivors, new replicas
+            ft, self.roster, self.hang_policy, ranks_per_replica=rpr, min_replicas=self.min_replicas,
+            recycle=self.recycle, timeout_s=timeout_s, repair=self._repair, log_repair=self._log_repair,
+            apply_repairs=self._apply_repairs, applied=lambda: self._applied, holders=lambda: self.holders,
+            coordinates_changed=self._take_coordinates, build_replica=self._build_formed_replica,
+            drop_if_pooled=self._drop_replica_if_pooled)
         self._applied = len(ft.events)  # repair events already applied to the roster and the pool
-        self._pool_before: list[int] = []
-        self._formed_at: float | None = None  # perf_counter() when the last new replica was formed
         self.step_stats = StepStats(config)  # the step's world-wide sums: loss, microbatches, each slot's speed
         self._pending_activation = False
         # Replicas holding the committed state of the last committed step: those that committed it, a spare or formed
@@ -110,21 +114,10 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         # weights). Only they are planned work and write a checkpoint.
         self.holders: set[int] = set(active)
         self._step_started = 0.0
-        self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
         # which committed steps are snapshotted: the same decision on every rank, spares and pool ranks included
         self.snapshot_schedule = SnapshotSchedule.of_settings(SnapshotSettings.of(config))
         self._last_step_s: float | None = None
         self.regrow = Regrow.of(config)  # back to full width through a relaunch, when that pays
-
-    def _start_worlds(self, world: MPI.Comm, active: list[int], timeout_s: float) -> tuple[FTWorld, object]:
-        """The FT world over every rank, then this replica's torch world and its nanotron groups."""
-        ft = FTWorld(world, self.config.ranks_per_replica, active_replicas=active, on_evict=self._on_evict,
-                     on_startup_failure=self._on_startup_failure, recycle=self.recycle,
-                     mpi_wait=self.config.fault_tolerance.mpi_wait)
-        replica_comm = ft.world_comm.Split(color=self.replica, key=world.Get_rank())  # rendezvous only
-        init_replica_torch_world(replica_comm, timeout_s)
-        replica_comm.Free()
-        return ft, self._replica_parallel_context(datetime.timedelta(seconds=timeout_s))
 
     def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
         """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""
@@ -177,7 +170,7 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                 plan, todo = self._recover(services, step, plan, since_epoch=epoch)
                 continue
             except Exception:  # noqa: BLE001 - torch traffic inside the replica broke: pooled, or re-raised
-                repaired = self._repairs_that_pooled_me(services, step)
+                repaired = self.formation.repairs_that_pooled_me(services, step)
                 if repaired is None:
                     raise
             gc.collect()  # the torch error's traceback held the old replica's process groups: now they close
@@ -275,23 +268,17 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             # repair alike, Shrink finds nobody dead, the step is reduced again from its snapshots (trajectory kept).
             record["event"] = REPAIR_WITHOUT_FAILURE
         metrics.log_event(record)
-        if self.recycle and (event.pooled or set(event.failed_ranks) & set(self._pool_before)):
-            metrics.log_event({"event": "pool_changed", "step": step, "epoch": event.epoch,
-                               "joined": sorted(event.pooled),
-                               "died": sorted(set(event.failed_ranks) & set(self._pool_before)),
-                               "pool_ranks": self.pool.ranks})
+        news = self.formation.pool_news(step, event)
+        if news is not None:
+            metrics.log_event(news)
 
     def _apply_repairs(self, services: StepServices) -> list:
         """Every repair this rank has not applied yet (the watcher's too) goes into the roster and the pool, in
         order; the same on every rank. A rank moved to the pool drops its replica's model and torch world."""
-        changes = []
-        self._pool_before = self.pool.ranks
-        for event in self.ft.events[self._applied:]:
-            changes.append(self.roster.on_failure(event.failed_replicas))
-            self.holders -= set(event.failed_replicas)
-            if self.recycle:
-                self.pool.remove(event.failed_ranks)
-                self.pool.add(event.pooled)
+        events = self.ft.events[self._applied:]
+        changes = [self.roster.on_failure(event.failed_replicas) for event in events]
+        self.holders -= {r for event in events for r in event.failed_replicas}
+        self.formation.apply_repairs(events)
         self._applied = len(self.ft.events)
         if any(change.replacements for change in changes):
             self._pending_activation = True
@@ -326,9 +313,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
 
     # ------------------------------------------------------------------------------------------------- commit
     def update_replica(self, step: int, services: StepServices, update: Callable[[], None]) -> None:
-        if self.snapshots is not None:
-            self.snapshots.settle()  # the last snapshot's write reads the state that this update changes
-        super().update_replica(step, services, update)
+        self.settle_snapshot()  # the last snapshot's write reads the state that this update changes
+        self.formation.update_replica(step, services, update)  # recycling: a mate's death in it pools this rank
 
     def zero_grad(self, state: TrainingState) -> None:
         if self.buckets is None:  # in the pool: no model
@@ -339,40 +325,16 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
             accumulator.bind_master_grads()
 
     def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
-        """Activate spares that replaced failed replicas: copy model and optimizer state, then widen the reduction."""
-        if self.recycle:
-            self._form_replicas(step, state, services)
-        donors = set(self.ft.active_replicas)  # replicas that computed (and committed) this step, still alive
+        """Recycling forms new replicas; spares and new replicas that took a slot get the committed state."""
+        self._pending_activation |= self.formation.form(step, state, services)
         self.progress(step, Phase.SPARE_ACTIVATION)
-        while self._pending_activation:
-            epoch = self.ft.epoch
-            try:
-                new = set(self.roster.active) - donors
-                self.ft.set_active_replicas(self.roster.active)
-                record = None
-                if new and self.computes():  # over the coordinate groups of the active replicas
-                    services.fault_point(step, Phase.TRANSFER)
-                    record = copy_state_to_new_replicas(self.ft, state, min(donors), new, self._formed_at)
-                # each coordinate's broadcast ends on its own: one can complete while another lost its donor, so
-                # every rank agrees that all of them did, or all repair and do the transfer again
-                self.ft.agree(True, epoch)
-                self.holders = set(self.roster.active)  # every new replica received the committed state
-                if record is not None:
-                    services.metrics.log_event(record)
-                self._formed_at = None
-                self._pending_activation = False
-            except Exception as exc:  # noqa: BLE001 - a fault; or the watcher pooled this rank mid-transfer
-                if not isinstance(exc, FailureDetected) and self.ft.epoch == epoch:
-                    raise
-                self._repair(services, step, Phase.SPARE_ACTIVATION, epoch)
-                donors -= {r for e in self.ft.events if e.epoch > epoch for r in e.failed_replicas}
-                if not donors:
-                    raise BelowMinimumReplicas(
-                        len(self.roster.active), self.min_replicas, step,
-                        reason=f"no live replica holds the committed state of step {step}: the donors of the "
-                               "state transfer were lost") from None
-                if self.roster.below_minimum(self.min_replicas):
-                    raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None
+        if self._pending_activation:
+            activate_new_replicas(self.ft, self.roster, step, state, services, formed_at=self.formation.formed_at,
+                                  min_replicas=self.min_replicas, computes=self.computes,
+                                  repair=lambda epoch: self._repair(services, step, Phase.SPARE_ACTIVATION, epoch))
+            self.holders = set(self.roster.active)  # every new replica received the committed state
+            self.formation.activated()
+            self._pending_activation = False
         log_news(self.regrow, services.metrics.log_event)
         news = self.snapshot_schedule.news(step)
         if news is not None:
@@ -388,23 +350,60 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
         self._last_step_s = time.monotonic() - self._step_started
         self.hang_policy.record_step(self._last_step_s)
 
+    def settle_snapshot(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.settle()  # it said so itself if its write failed
+
+    def checkpoint_at_stop(self) -> bool:
+        return self.config.checkpoints is not None and (
+            self.config.fault_tolerance.checkpoint_on_stop or not self.snapshot_schedule.enabled)
+
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
-        self.snapshots = LocalSnapshots(self.config, self.run_dir or Path("."), self.ft, self.replica, self.local_rank)
+        self.snapshots = LocalSnapshots(self.config, self.lifecycle.run_dir or Path("."), self.ft, self.replica,
+                                        self.local_rank)
         self.progress(0, Phase.LOCAL_SNAPSHOT_RESUME)
         return self.snapshots.resume(state, newer_than)
 
     def finish(self, step: int, services: StepServices) -> None:
-        """A last agreement after the final step, so that a death after the last commit is known at shutdown; then
-        this node's local snapshots of the run are deleted."""
-        if self.snapshots is not None:
-            self.snapshots.finish()
-        try:
-            self.ft.agree(True)
-        except FailureDetected:
-            self._repair(services, step, "end")
-        if self.snapshots is not None:
-            self.snapshots.remove()
-        self.ft.progress.waiting("finish")  # closing the metrics (wandb) is judged by the stall limit only
+        self.lifecycle.finish(repair=lambda: self._repair(services, step, "end"))
+
+    # ------------------------------------------------------------------------------------------------- start-up
+    def startup_complete(self, fault_point: Callable[[], None] = lambda: None) -> None:
+        self.lifecycle.startup_complete(fault_point)
+
+    def startup_share(self) -> tuple[int, int]:
+        live = list(self.ft.live_ranks)
+        return live.index(self.ft.rank), len(live)
+
+    def gather_at_startup(self, obj: Any) -> list:
+        return self.ft.allgather_object(obj)
+
+    # ------------------------------------------------------------------------------------------------- recycling
+    def _take_coordinates(self) -> None:
+        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
+
+    def _build_formed_replica(self, state: TrainingState, services: StepServices) -> None:
+        """A member of a new replica, its torch world started: nanotron's groups and its coordinate's model."""
+        with self.slow_io(Phase.REPLICA_BUILD):  # like the same build at start-up: the I/O allowance, not a step's
+            self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
+            services.rebuild_replica(self.parallel_context)
+        self.zero_grad(state)  # as every rank did after this step's optimizer step
+
+    def _drop_replica_if_pooled(self, services: StepServices) -> None:
+        """Pooled: drop the model, buckets, snapshots and torch world, so that a mate waiting on this rank in torch
+        traffic gets an error now, not at its timeout (gloo closes a connection with its group's last reference)."""
+        self._take_coordinates()
+        if not (self.recycle and self.ft.pooled):
+            return
+        held = self.parallel_context is not None
+        if held:
+            services.release_replica()
+            self.parallel_context = self.buckets = None
+            if self.snapshots is not None:
+                self.snapshots.finish()
+                self.snapshots = None
+        if held or torch_dist.is_initialized():  # else a formation that broke after its rendezvous, before the model
+            forget_torch_world(self.ft.rank)
 
     # ------------------------------------------------------------------------------------------------- misc
     def is_logging_rank(self) -> bool:
@@ -437,8 +436,8 @@ class ResilientDataParallel(ProcessLifecycle, ReplicaFormation, DataParallelStra
                       self.replica == writer_replica and self.local_rank == 0,
                       {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})})
             except Exception:  # noqa: BLE001 - not pooled: join the survivors' repair (evicts this rank), or a bug
-                if self._repairs_that_pooled_me(services, step) is None:
-                    self.join_repair_after_error()
+                if self.formation.repairs_that_pooled_me(services, step) is None:
+                    self.lifecycle.join_repair_after_error()
                     raise
             try:
                 self.ft.agree(True, epoch)

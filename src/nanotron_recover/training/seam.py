@@ -144,6 +144,12 @@ class DataParallelStrategy(ABC):
         """Wait until the node-local snapshot of the last committed step is on disk (a graceful stop, or before a
         checkpoint's I/O, whose failure must not cost the step's snapshot)."""
 
+    def checkpoint_at_stop(self) -> bool:
+        """Whether a graceful stop also writes a disk checkpoint: asked for (``checkpoint_on_stop``), or no node-local
+        snapshot would hold the step (snapshots off); never without a ``checkpoints`` section. The stock path never
+        stops before its last step."""
+        return False
+
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
         """Collective at start-up: load the newest committed step kept in node-local snapshots if it is newer than
         ``newer_than`` (the disk checkpoint's step); return it, or None (the stock path keeps none)."""

@@ -279,7 +279,7 @@ class RecoverTrainer:
         """``step`` is the job's last (a stop signal, or a regrow; every rank knows it in the same step). Its
         node-local snapshot is being written (and a checkpoint where the config asks): wait for it, then end."""
         self.dp.settle_snapshot()
-        if self.config.checkpoints_at_stop and not saved:
+        if self.dp.checkpoint_at_stop() and not saved:
             self._at(Phase.CHECKPOINT)
             self.save_checkpoint(step, extra_state={"stopped": stop.event})
         if self.metrics.enabled:

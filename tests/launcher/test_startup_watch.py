@@ -56,11 +56,16 @@ def test_a_rank_gone_before_its_watchdog_is_named_once_with_an_exit_record(tmp_p
     try:
         watch = StartupWatch(tmp_path)
         watchdog_seen(watch, 0)
-        assert 1 in watch.pids and watch.died_unarmed() is None
+        deadline = time.monotonic() + 10
+        while 1 not in watch.pids:
+            assert time.monotonic() < deadline, vars(watch)
+            assert watch.died_unarmed() is None, vars(watch)
+            time.sleep(0.02)
         unarmed.send_signal(signal.SIGKILL)
         unarmed.wait(timeout=10)
         why = watch.died_unarmed()
-        assert why is not None and why.startswith("rank 1 died during start-up") and f"pid {unarmed.pid}," in why, why
+        assert why is not None and why.startswith("rank 1 died during start-up"), (why, vars(watch))
+        assert f"pid {unarmed.pid}," in why, why
         record = read_exits(tmp_path)[1]
         assert record["code"] == EXIT_RESTART and "seen gone by the launcher" in record["reason"], record
         assert watch.done and watch.died_unarmed() is None  # named once

@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -48,6 +47,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.campaign import KINDS, SHAPES, SHAPES_BY_NAME, STEPS, ExternalFault, Shape, Trial, draw_trial  # noqa: E402
+from benchmarks.lib.checkpoint_damage import damage_final_checkpoint  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line  # noqa: E402
 from nanotron_recover.launcher.runs import (  # noqa: E402
@@ -317,36 +317,6 @@ def _launch_until_done(trial: Trial, out: Path, run_dir: Path, shm: str, problem
         said.append("restart")
     problems.append(f"still not done after {relaunches} relaunches")
     return "FAIL", launches
-
-
-DAMAGED = {  # one file of each kind a checkpoint holds
-    "weights": lambda ckpt: sorted((ckpt / "model").rglob("*.safetensors")),
-    "optimizer": lambda ckpt: sorted((ckpt / "optimizer").glob("optimizer_*.pt")),
-    "lr_scheduler": lambda ckpt: [ckpt / "lr_scheduler" / "lr_scheduler.pt"],
-    "trainer_state": lambda ckpt: [ckpt / "trainer_state.json"],
-}
-
-
-def damage_final_checkpoint(run_dir: Path, damage: dict) -> list[str]:
-    """Flip 4 KB (or the middle half of a smaller file) or cut to half one file of the final checkpoint, chosen
-    from the trial's seed. -> problems (the checkpoint or the file is missing)."""
-    rng = random.Random(damage["seed"])
-    try:
-        files = [f for f in DAMAGED[damage["file"]](final_checkpoint(run_dir)) if f.is_file()]
-    except FileNotFoundError as e:
-        return [f"no final checkpoint to damage: {e}"]
-    if not files:
-        return [f"the final checkpoint holds no {damage['file']} file"]
-    target = rng.choice(files)
-    data = bytearray(target.read_bytes())
-    if damage["how"] == "truncate":
-        data = data[: len(data) // 2]
-    else:
-        n = min(4096, len(data) // 2)
-        start = rng.randrange(0, len(data) - n + 1)
-        data[start:start + n] = bytes(rng.randrange(256) for _ in range(n))
-    target.write_bytes(bytes(data))
-    return []
 
 
 def _check_nothing_committed_at(run_dir: Path, step: int, problems: list[str]) -> None:

@@ -88,15 +88,20 @@ def test_the_same_startup_failure_on_three_launches_stops_requeueing(tiny_config
     assert outcome(tmp_path, 1) == "needs_person"  # the Slurm helper reads the same count from the run folder
 
 
+def at_the_defaults(tiny_config, at: str, signal: str) -> dict:
+    """The settings a user gets (``startup_timeout_s`` 600 s), with one start-up fault of rank 0 of replica 1."""
+    inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": at, "signal": signal}]
+    return tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance={"enabled": True,
+                                                                                    "inject": inject})
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("at", ["before_mpi_init", "model_build"])
 def test_a_death_during_startup_at_the_default_timeout_costs_seconds(at, tiny_config, tmp_path):
     """``startup_timeout_s`` at its default (600 s): a rank SIGKILLed during start-up (before ``MPI_Init`` the
     others wait inside it for the dead rank) ends the attempt within seconds: the rank's start-up watchdog sees it
     die without a word and ends the job (before: the others waited the whole timeout); the relaunch finishes."""
-    inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": at, "signal": "kill"}]
-    config = tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance={"enabled": True,
-                                                                                       "inject": inject})
+    config = at_the_defaults(tiny_config, at, "kill")
     t0 = time.monotonic()
     first = run_training(config, tmp_path, timeout_s=240, extra_args=["--synthetic-data"], check=False)
     ended = time.monotonic() - t0
@@ -114,9 +119,7 @@ def test_a_rank_frozen_in_startup_at_the_default_timeout_costs_a_bounded_wait(at
     the others then wait inside it; or after its model build, where they wait in the start-up agreement). The
     others' watchdogs end the job once their wait outlasts its bound (3 x their own start-up, at least 60 s), with
     the restart outcome and the reason in their exit records; the relaunch finishes."""
-    inject = [{"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": at, "signal": "stop"}]
-    config = tiny_config(dp=2, accumulation=2, steps=STEPS, layers=2, fault_tolerance={"enabled": True,
-                                                                                       "inject": inject})
+    config = at_the_defaults(tiny_config, at, "stop")
     t0 = time.monotonic()
     first = run_training(config, tmp_path, timeout_s=300, extra_args=["--synthetic-data"], check=False)
     ended = time.monotonic() - t0

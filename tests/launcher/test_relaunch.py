@@ -18,7 +18,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -42,6 +44,25 @@ def launch(config_path: Path, run_dir: Path, log: Path, restarts: int) -> subpro
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", str(restarts)]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextmanager
+def launched(config_path: Path, run_dir: Path, log: Path, restarts: int) -> Iterator[subprocess.Popen]:
+    """A launcher running the job; whatever happens inside, nothing of the job outlives the block."""
+    proc = launch(config_path, run_dir, log, restarts)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_run_processes(run_dir, proc)
+
+
+def kill_and_wait(launcher: subprocess.Popen, victim: int) -> float:
+    """SIGKILL ``victim`` (a rank), then wait for the launcher to end; -> when the kill was sent."""
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    launcher.wait(timeout=TIMEOUT_S)
+    return killed
 
 
 def standby_ranks(launcher_pid: int) -> dict[int, Path]:
@@ -95,14 +116,9 @@ def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(t
                              extra_args=["--synthetic-data"])
     run_dir = tmp_path / "run"
     config_path = write_config(config(tmp_path, steps, min_replicas=2), run_dir / "config.yaml")
-    proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=1)
-    try:
+    with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=1) as proc:
         wait_for_ready_standby(proc, ranks=2)
-        os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            kill_run_processes(run_dir, proc)
+        kill_and_wait(proc, rank_pids(run_dir)[1])
     output = (tmp_path / "launcher.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     assert "relaunching in place from the warm standby" in output, output[-3000:]
@@ -143,18 +159,12 @@ def test_a_rank_killed_at_a_random_moment_of_the_first_seconds_costs_no_finished
     run_dir = tmp_path / "run"
     config_path = write_config(config(tmp_path, steps), run_dir / "config.yaml")
     delay = random.Random(os.getpid()).uniform(0.5, 6.0)
-    proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=2)
-    try:
+    with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=2) as proc:
         deadline, victim = time.monotonic() + delay, None
         while time.monotonic() < deadline or victim is None:  # start-up included, its guard armed or not yet
             victim = rank_pids(run_dir).get(1, victim)
             time.sleep(0.01)
-        os.kill(victim, signal.SIGKILL)
-        killed = time.time()
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            kill_run_processes(run_dir, proc)
+        killed = kill_and_wait(proc, victim)
     output = (tmp_path / "launcher.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses, strict=True):
@@ -172,19 +182,13 @@ def test_a_rank_killed_before_its_startup_guard_is_armed_costs_seconds(tmp_path)
     steps = 20
     run_dir = tmp_path / "run"
     config_path = write_config(config(tmp_path, steps), run_dir / "config.yaml")
-    proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=1)
-    try:
+    with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=1) as proc:
         deadline, victim = time.monotonic() + 60, None
         while victim is None and time.monotonic() < deadline:
             victim = rank_pids(run_dir).get(1)
             time.sleep(0.002)
         assert victim is not None and not children_of(victim), "rank 1 had forked its watchdog already"
-        os.kill(victim, signal.SIGKILL)
-        killed = time.time()
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            kill_run_processes(run_dir, proc)
+        killed = kill_and_wait(proc, victim)
     output = (tmp_path / "launcher.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     launches = read_launches(run_dir)

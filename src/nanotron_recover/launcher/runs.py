@@ -201,15 +201,21 @@ def standby_ready(launcher_pid: int, world_size: int) -> bool:
 
 def rank_pids(run_dir: Path) -> dict[int, int]:
     """``{world rank: pid}`` of this run's live ranks (the rank itself, not its start-up watchdog)."""
+    return ranks_and_watchdogs(run_dir)[0]
+
+
+def ranks_and_watchdogs(run_dir: Path) -> tuple[dict[int, int], dict[int, int]]:
+    """``({world rank: pid} of this run's live ranks, {world rank: pid} of their start-up watchdogs)``: a watchdog
+    is a fork of its rank (its parent is a process of the same rank)."""
     processes = rank_processes(run_dir)
-    out: dict[int, int] = {}
+    ranks: dict[int, int] = {}
+    watchdogs: dict[int, int] = {}
     for pid, rank in processes.items():
         stat = proc_stat(pid)
         if stat is None:
             continue
-        if processes.get(stat[0]) != rank:  # the watchdog's parent is its rank
-            out[rank] = pid
-    return out
+        (watchdogs if processes.get(stat[0]) == rank else ranks)[rank] = pid
+    return ranks, watchdogs
 
 
 def mpirun_pid(launcher_pid: int) -> int | None:

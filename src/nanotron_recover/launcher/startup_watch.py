@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Sequence
 
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.procfs import proc_stat
 from nanotron_recover.run.run_folder import metrics_path, read_exits, record_exit
 
 STARTUP_SCAN_S = 0.1  # how often /proc is read during start-up (a rank arms its guard ~0.3 s into its life)
@@ -63,33 +62,25 @@ class StartupWatch:
         if self.done or _size(metrics_path(self.run_dir)) != self._logged:
             self.done = True
             return None
-        from nanotron_recover.launcher.runs import rank_processes  # reads /proc; light
+        from nanotron_recover.launcher.runs import ranks_and_watchdogs  # reads /proc; light
 
-        processes = rank_processes(self.run_dir)  # {pid: rank}: the ranks and their watchdogs
-        ranks: dict[int, int] = {}
-        for pid, rank in processes.items():
-            parent = (proc_stat(pid) or (0,))[0]
-            if processes.get(parent) == rank:
-                self.armed.add(rank)  # its watchdog
-            else:
-                ranks[rank] = pid
-        for rank, pid in ranks.items():
-            if rank in self.armed and not any(r == rank and p != pid for p, r in processes.items()):
-                self.started.add(rank)  # armed before, no watchdog now: disarmed
-            self.pids[rank] = pid
+        ranks, watchdogs = ranks_and_watchdogs(self.run_dir)
+        self.armed |= watchdogs.keys()
+        self.started |= {r for r in ranks if r in self.armed and r not in watchdogs}  # armed before, disarmed now
+        self.pids.update(ranks)
         if self.pids and self._first_seen is None:
             self._first_seen = time.monotonic()
         gone = [r for r in self.pids if r not in ranks and r not in self.armed]
-        if gone or self._missing():
+        missing = self._missing()
+        if gone or missing:
             exits = read_exits(self.run_dir)
-            dead = [r for r in gone if r not in exits] or [r for r in self._missing() if r not in exits]
+            dead = [r for r in gone + missing if r not in exits]
             if dead:
                 self.done = True
                 return self._record(dead[0])
         if self.pids and self.started >= set(self.pids):
             self.done = True
         return None
-
 
     def _missing(self) -> list[int]:
         """Ranks of an all-local job never seen :data:`MISSING_S` after the first one appeared."""

@@ -92,11 +92,14 @@ def timings(run_dir: Path) -> dict:
     first = next(r for r in records if "event" not in r and r.get("time", 0) >= second["time"])
     ended = second["previous_job_ended"]
     started = first["time"] - first["step_time_s"]
+    startup = next((r for r in records if r.get("event") == "startup" and r["time"] >= second["time"]), {})
     return {"warm": second["warm"], "resumed_step": first["step"], "end_to_next_step_s": first["time"] - ended,
             "breakdown_s": {"teardown (stop decided -> mpirun ended)": ended - stopped["time"],
                             "judge and relaunch (-> launch record)": second["time"] - ended,
                             "start-up and state load (-> first step starts)": started - second["time"],
-                            "first step": first["step_time_s"]}}
+                            "first step": first["step_time_s"]},
+            # the logging rank's own start-up (from its process start, or its release from the standby), by phase
+            "startup_phases_s": startup.get("phases_s", {})}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -140,8 +143,13 @@ def _write(results: dict, args: argparse.Namespace, argv: Sequence[str] | None, 
     rows = [[part, f"{cold['breakdown_s'][part]:.2f}", f"{warm['breakdown_s'][part]:.2f}"]
             for part in cold["breakdown_s"]]
     rows.append(["**old job ended -> next step committed**", f"**{data['cold_s']:.2f}**", f"**{data['warm_s']:.2f}**"])
+    cold_phases, warm_phases = cold["startup_phases_s"], warm["startup_phases_s"]
+    phases = [[phase, f"{cold_phases.get(phase, 0.0):.2f}", f"{warm_phases.get(phase, 0.0):.2f}"]
+              for phase in dict.fromkeys([*cold_phases, *warm_phases])]
     md = "\n".join([f"command: `{command}`", "", f"machine: {data['machine']}", "", f"setup: {data['setup']}", "",
                     md_table(["part (s)", "cold", "warm"], rows), "",
+                    "The logging rank's start-up by phase (from its process's start, or its release from the standby; "
+                    "the run's `startup` event):", "", md_table(["phase (s)", "cold", "warm"], phases), "",
                     f"warm / cold = {data['warm_over_cold']:.2f}; a standby rank's resident set while waiting: "
                     f"{data['standby_rank_rss_gb']:.2f} GB", ""])
     (out / "relaunch.md").write_text(md)

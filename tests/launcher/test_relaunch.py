@@ -123,6 +123,12 @@ def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(t
     assert proc.returncode == 0, output[-3000:]
     assert "relaunching in place from the warm standby" in output, output[-3000:]
     assert [launch.get("warm") for launch in read_launches(run_dir)] == [False, True]
+    startups = [r for r in read_metrics_jsonl(run_dir) if r.get("event") == "startup"]
+    assert len(startups) == 2, startups  # each launch says what its start-up was made of
+    for record in startups:
+        assert {"MPI_Init", "FT world", "model and optimizer", "state load"} <= set(record["phases_s"]), record
+        assert abs(sum(record["phases_s"].values()) - record["seconds"]) < 1e-3, record
+    assert startups[1]["step"] > 0  # the relaunch resumed
     logged = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
     assert logged == sorted(set(logged)) and logged[-1] == steps, "a step logged twice, or the run unfinished"
     steps_after = read_metrics(run_dir)[0]

@@ -80,10 +80,12 @@ def waiting_for_peers(where: str) -> Iterator[None]:
     """Inside: this rank waits for every other rank at ``where`` (``MPI_Init``, the start-up agreement); its
     watchdog ends the job if the wait lasts :func:`wait_bound_s`. A no-op without an armed guard."""
     watchdog = _ARMED.watchdog if _ARMED is not None else None
+    STARTUP.mark(f"before {where}")
     if watchdog is not None:
         watchdog.waiting(wait_bound_s(), where)
     try:
         yield
     finally:
+        STARTUP.mark(where)
         if watchdog is not None:
             watchdog.busy()  # nothing once disarmed

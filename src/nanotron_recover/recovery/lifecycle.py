@@ -83,10 +83,14 @@ class ProcessLifecycle:
 
         self.ft = FTWorld(world, ranks_per_replica, active_replicas=active, on_evict=self.on_evict,
                           on_startup_failure=self.on_startup_failure, recycle=recycle, mpi_wait=mpi_wait)
+        STARTUP.mark("FT world")
         replica_comm = self.ft.world_comm.Split(color=replica, key=world.Get_rank())  # rendezvous only
         init_replica_torch_world(replica_comm, timeout_s)
         replica_comm.Free()
-        return self.ft, replica_context(datetime.timedelta(seconds=timeout_s))
+        STARTUP.mark("replica torch world")
+        parallel_context = replica_context(datetime.timedelta(seconds=timeout_s))
+        STARTUP.mark("nanotron groups")
+        return self.ft, parallel_context
 
     def startup_complete(self, fault_point: Callable[[], None] = lambda: None) -> None:
         """Every rank agrees it is ready (a death during start-up fails the agreement everywhere: the job ends with

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401 - here, not in the first optimizer's constructor (~2 s): a warm standby's head start
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.named_optimizer import NamedOptimizer
 from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
@@ -28,6 +29,7 @@ from nanotron_recover.data import build_dataset
 from nanotron_recover.models.llama import build_llama, init_weights
 from nanotron_recover.nanotron_compat.fp32_accumulator import BucketFP32GradientAccumulator, has_low_precision_params
 from nanotron_recover.process.inject import FailureInjector
+from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.startup_guard import waiting_for_peers
 from nanotron_recover.process.stop_request import StopRequested
 from nanotron_recover.run import devices
@@ -69,16 +71,19 @@ class RecoverTrainer:
         self._nonfinite_microbatch: int | None = None  # this step's first microbatch whose loss was NaN or inf here
 
         self._build_replica_state()
+        STARTUP.mark("model and optimizer")
         self.engine = build_engine(config.parallelism.pp_engine)
         self.dataset = build_dataset(
             config.data, config.tokens, microbatches_per_step=self.M,
             model_vocab_size=config.model.model_config.vocab_size
         )
+        STARTUP.mark("data")
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(),
                                      wandb_config=_wandb_config(config))
         self.metrics.slow_io = lambda: self.dp.slow_io(Phase.METRICS_IO)  # a new logging rank starts wandb mid-step
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
+        STARTUP.mark("metrics")
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
         self.step = 0
         self.services = StepServices(
@@ -244,11 +249,15 @@ class RecoverTrainer:
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
         self.step = self._resume()
+        STARTUP.mark("state load")
         first_step = self.step + 1
         self.injector.maybe_fail(0, "startup:checkpoint_load")
         # every rank ready: from here on a fault is recovered, not a restart (a peer frozen before: a bounded wait)
         with waiting_for_peers("the start-up agreement"):
             self.dp.startup_complete(fault_point=lambda: self.injector.maybe_fail(0, "startup:agreed"))
+        if self.metrics.enabled and STARTUP.seconds is not None:  # what this start-up (a relaunch's cost) was made of
+            self.metrics.log_event({"event": "startup", "step": self.step, "seconds": STARTUP.seconds,
+                                    "phases_s": STARTUP.phases_s()})
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
         saved = None

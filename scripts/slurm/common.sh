@@ -7,10 +7,13 @@
 #                   requeues (the job id does): a relaunch auto-resumes from RUN_DIR/<checkpoints_path>/latest.txt
 #   RECOVER_REPO    the project checkout; default the submit directory
 #   RECOVER_PYTHON  the Python with nanotron_recover installed; default $RECOVER_REPO/.venv/bin/python
-#   RECOVER_RESTART what to do when the run did not finish (below min_replicas: trainer exit 3, or every replica
-#                   lost): "requeue" (default: `scontrol requeue`, the scheduler starts the job again, maybe on
-#                   other nodes), "loop" (relaunch mpirun at once inside this allocation), "none" (exit 3)
-#   MAX_RESTARTS    relaunches before giving up (default 3; counts Slurm requeues and in-allocation loops)
+#   RECOVER_RESTART what to do when the run did not finish (below min_replicas: trainer exit 3, a lost node, every
+#                   replica lost): "requeue" (default: `scontrol requeue`, the scheduler starts the job again, maybe
+#                   on other nodes), "loop" (relaunch at once inside this allocation), "none" (exit 3)
+#   MAX_RESTARTS    restarts before giving up (default 3; counts Slurm requeues, and with "loop" the relaunches
+#                   inside the allocation)
+#   IN_PLACE_RESTARTS  ReCoVer only, with "requeue": relaunches inside this allocation, by the launcher and from its
+#                   warm standby, before the job is requeued (default 3; 0: every restart is a requeue)
 #   MPIRUN_ARGS     extra mpirun options (e.g. "--mca btl_tcp_if_include eth0")
 #
 # Exit codes of the job: 0 finished, 2 a person must act (bad input, damaged state, a full disk, a non-finite step,
@@ -44,23 +47,15 @@ recover_setup() {
     RECOVER_SETUP_DONE=1
 }
 
-# recover_mpirun_cmd ulfm|stock -> fills the array MPI_CMD
+# recover_mpirun_cmd -> fills the array MPI_CMD: stock nanotron's mpirun line (ReCoVer's is the launcher's own)
 recover_mpirun_cmd() {
-    local mode=$1 slots=${SLURM_NTASKS:-1}
+    local slots=${SLURM_NTASKS:-1}
     # --map-by slot: each node's slots filled in rank order, so a node holds whole replicas when its task count
     # is a multiple of the ranks per replica (recover_job.py info warns when it is not)
     MPI_CMD=("$MPIRUN" -n "$RECOVER_WORLD_SIZE" --map-by slot --bind-to none --mca pml ob1)
     # libfabric's byte transfer layer probes its providers for 1 s in every MPI_Init; ob1 does not need it here
     # (src/nanotron_recover/launcher/mpirun.py, SKIPPED_BTLS); a btl named in MPIRUN_ARGS or OMPI_MCA_btl wins
     [[ " ${MPIRUN_ARGS:-} " == *" btl "* || -n ${OMPI_MCA_btl:-} ]] || MPI_CMD+=(--mca btl ^ofi)
-    if [[ $mode == ulfm ]]; then
-        # ULFM: a dead rank is reported to the others instead of killing the job (mpirun is NOT srun: ULFM
-        # cannot be launched by srun; under Slurm mpirun starts its daemons inside the allocation itself)
-        MPI_CMD+=(--with-ft ulfm
-                  --prtemca errmgr_detector_heartbeat_period 1 --prtemca errmgr_detector_heartbeat_timeout 3
-                  --mca coll ^han,cuda  # ULFM-safe collectives (ompi #11794, #13915)
-                  --mca coll_ftagree_agreement 1)  # the fault-tolerant agreement (ERA), as the launcher pins it
-    fi
     if (( RECOVER_WORLD_SIZE > slots )); then
         recover_log "warning: $RECOVER_WORLD_SIZE ranks on $slots Slurm task slots: oversubscribing" \
                     "(submit with --ntasks=$RECOVER_WORLD_SIZE)"
@@ -69,51 +64,35 @@ recover_mpirun_cmd() {
     [[ $(id -u) -eq 0 ]] && MPI_CMD+=(--allow-run-as-root)
     MPI_CMD+=(-x PYTHONUNBUFFERED -x NANOTRON_RECOVER_LAUNCH_TOKEN)  # the token: set anew before each launch
     [[ -n ${OMP_NUM_THREADS:-} ]] && MPI_CMD+=(-x OMP_NUM_THREADS)
-    if [[ $mode == stock ]]; then
-        # stock nanotron: one torch world over all ranks, rendezvous on the first node (what torchrun would do)
-        local first port
-        first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1)
-        port=$("$RECOVER_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
-        export MASTER_ADDR=${MASTER_ADDR:-${first:-127.0.0.1}} MASTER_PORT=${MASTER_PORT:-$port}
-        MPI_CMD+=(-x MASTER_ADDR -x MASTER_PORT)
-    fi
+    # one torch world over all ranks, rendezvous on the first node (what torchrun would do)
+    local first port
+    first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1)
+    port=$("$RECOVER_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
+    export MASTER_ADDR=${MASTER_ADDR:-${first:-127.0.0.1}} MASTER_PORT=${MASTER_PORT:-$port}
+    MPI_CMD+=(-x MASTER_ADDR -x MASTER_PORT)
     # shellcheck disable=SC2206
     MPI_CMD+=(${MPIRUN_ARGS:-})
     # shellcheck disable=SC2086
     MPI_CMD+=("$RECOVER_PYTHON" -u -m nanotron_recover.train --config-file "$CONFIG" --run-dir "$RUN_DIR" ${TRAIN_ARGS:-})
-    if [[ $mode == ulfm ]]; then
-        # mpirun starts with SIGTERM and SIGINT blocked (PRRTE unblocks them in the ranks): at preemption or at the
-        # time limit Slurm signals every process of the job, and mpirun would SIGKILL the ranks within a second;
-        # the ranks stop by themselves at a step boundary instead (graceful stop, see recover_launch)
-        MPI_CMD=("$RECOVER_PYTHON" -c "$RECOVER_MASKED_EXEC" "${MPI_CMD[@]}")
-    fi
 }
 
-RECOVER_MASKED_EXEC='import os, signal, sys
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-os.execv(sys.argv[1], sys.argv[1:])'
-
-# recover_launch ulfm|stock: run MPI_CMD -> rc. On the ULFM path a stop signal to this script (SIGUSR1 from
-# `#SBATCH --signal=B:USR1@SECONDS` before the time limit, SIGTERM or SIGINT) goes on to mpirun as SIGUSR1, which
-# forwards it to every rank: they finish the step in flight, snapshot it node-locally and exit 3, and the job is
-# requeued (or relaunched). A second SIGTERM or SIGINT ends the job at once (SIGHUP to mpirun).
-recover_launch() {
-    local mode=$1
-    if [[ $mode != ulfm ]]; then
-        "${MPI_CMD[@]}"
-        return
-    fi
+# recover_launch_forwarding_stops: run LAUNCHER_CMD -> rc. A stop signal to this script (SIGUSR1 from
+# `#SBATCH --signal=B:USR1@SECONDS` before the time limit, SIGTERM or SIGINT) goes on to the launcher as SIGUSR1;
+# it passes it to mpirun, which forwards it to every rank: they finish the step in flight, snapshot it
+# node-locally and exit 3, and the job is requeued. A second SIGTERM or SIGINT ends the job at once (SIGTERM to
+# the launcher, its own second signal).
+recover_launch_forwarding_stops() {
     RECOVER_STOPS=0
-    "${MPI_CMD[@]}" &
-    RECOVER_MPI_PID=$!
+    "${LAUNCHER_CMD[@]}" &
+    RECOVER_LAUNCHER_PID=$!
     trap 'recover_stop USR1' USR1
     trap 'recover_stop TERM' TERM
     trap 'recover_stop INT' INT
     local rc
     while :; do
-        wait "$RECOVER_MPI_PID"
+        wait "$RECOVER_LAUNCHER_PID"
         rc=$?
-        kill -0 "$RECOVER_MPI_PID" 2>/dev/null || break  # else a trapped signal interrupted the wait
+        kill -0 "$RECOVER_LAUNCHER_PID" 2>/dev/null || break  # else a trapped signal interrupted the wait
     done
     trap - USR1 TERM INT
     return "$rc"
@@ -123,10 +102,10 @@ recover_stop() {
     RECOVER_STOPS=$((RECOVER_STOPS + 1))
     if (( RECOVER_STOPS == 1 )) || [[ $1 == USR1 ]]; then
         recover_log "SIG$1: the job stops after the step in flight (its node-local snapshot written, exit 3)"
-        kill -USR1 "$RECOVER_MPI_PID" 2>/dev/null || true
+        kill -USR1 "$RECOVER_LAUNCHER_PID" 2>/dev/null || true
     else
         recover_log "SIG$1 again: ending the job now"
-        kill -HUP "$RECOVER_MPI_PID" 2>/dev/null || true
+        kill -TERM "$RECOVER_LAUNCHER_PID" 2>/dev/null || true
     fi
 }
 
@@ -138,10 +117,14 @@ recover_run() {
         recover_log "warning: $CONFIG has fault_tolerance off: this runs the stock data path without ULFM"
         mode=stock
     fi
-    recover_mpirun_cmd "$mode"
     recover_log "job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0}: $RECOVER_WORLD_SIZE ranks" \
                 "($RECOVER_REPLICAS replicas x $RECOVER_RANKS_PER_REPLICA), mode $mode, run dir $RUN_DIR"
     recover_log "nodes ${SLURM_JOB_NODELIST:-?}, task slots ${SLURM_NTASKS:-?}"
+    if [[ $mode == ulfm ]]; then
+        recover_run_launcher
+        return
+    fi
+    recover_mpirun_cmd
     while :; do
         # one token per launch: the temporary names its checkpoint writers use (no other launch publishes them)
         NANOTRON_RECOVER_LAUNCH_TOKEN=$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')
@@ -150,7 +133,7 @@ recover_run() {
         "$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" begin --config-file "$CONFIG" \
             --run-dir "$RUN_DIR" ${TRAIN_ARGS:-} >/dev/null || recover_die "cannot record the launch in $RUN_DIR"
         set +e
-        recover_launch "$mode"
+        "${MPI_CMD[@]}"
         rc=$?
         verdict=$("$RECOVER_PYTHON" "$RECOVER_REPO/scripts/slurm/recover_job.py" outcome --run-dir "$RUN_DIR" \
                   --train-steps "$RECOVER_TRAIN_STEPS" --mpirun-rc "$rc" --checkpoints-path "$RECOVER_CHECKPOINTS_PATH" \
@@ -162,23 +145,58 @@ recover_run() {
             needs_person*|aborted*) exit 2 ;;
         esac
         restarts=$(( ${SLURM_RESTART_COUNT:-0} + attempt ))
-        if (( restarts >= MAX_RESTARTS )); then
-            recover_log "not finished after $restarts restart(s) (MAX_RESTARTS=$MAX_RESTARTS): giving up"
-            exit 3
+        if [[ $RECOVER_RESTART == loop ]] && (( restarts < MAX_RESTARTS )); then
+            attempt=$((attempt + 1))
+            recover_log "relaunching inside the allocation (restart $((restarts + 1)))"
+            continue
         fi
-        case $RECOVER_RESTART in
-            loop)
-                attempt=$((attempt + 1))
-                recover_log "relaunching inside the allocation (restart $((restarts + 1)))" ;;
-            requeue)
-                [[ -n ${SLURM_JOB_ID:-} ]] || recover_die "RECOVER_RESTART=requeue needs a Slurm job"
-                recover_log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it resumes from the checkpoint"
-                scontrol requeue "$SLURM_JOB_ID" || { recover_log "scontrol requeue failed"; exit 3; }
-                # Slurm now ends this instance of the script; don't let it finish first as "COMPLETED"
-                sleep 300
-                exit 3 ;;
-            *)
-                exit 3 ;;
-        esac
+        recover_requeue "$restarts"
     done
+}
+
+# recover_run_launcher: ReCoVer's launcher (`python -m nanotron_recover.launcher.launch train`) runs the job and
+# relaunches it in place inside this allocation, from the warm standby it keeps beside the job where memory allows
+# (a second mpirun in this allocation; on several nodes it starts its daemons as a second job step, srun
+# --overlap). It exits 3 when it cannot go on here (its restarts spent); then this script requeues the job.
+recover_run_launcher() {
+    local in_place rc restarts=${SLURM_RESTART_COUNT:-0}
+    case $RECOVER_RESTART in
+        none) in_place=0 ;;
+        loop) in_place=$(( MAX_RESTARTS > restarts ? MAX_RESTARTS - restarts : 0 )) ;;
+        *) in_place=${IN_PLACE_RESTARTS:-3} ;;
+    esac
+    export NANOTRON_RECOVER_MPIRUN_ARGS=${MPIRUN_ARGS:-}
+    # shellcheck disable=SC2206
+    LAUNCHER_CMD=("$RECOVER_PYTHON" -u -m nanotron_recover.launcher.launch train --config-file "$CONFIG"
+                  --run-dir "$RUN_DIR" --max-restarts "$in_place" ${TRAIN_ARGS:-})
+    recover_log "launch: ${LAUNCHER_CMD[*]}"
+    set +e
+    recover_launch_forwarding_stops
+    rc=$?
+    set -e
+    case $rc in
+        0) recover_log "launcher exit 0 -> done"; return 0 ;;
+        3) recover_log "launcher exit 3 -> restart ($in_place relaunch(es) in place allowed here)" ;;
+        *) recover_log "launcher exit $rc -> stop"; exit "$rc" ;;
+    esac
+    [[ $RECOVER_RESTART == loop ]] && { recover_log "not finished after the relaunches in place: giving up"; exit 3; }
+    recover_requeue "$restarts"
+}
+
+# recover_requeue RESTARTS: requeue the job (RECOVER_RESTART=requeue, fewer than MAX_RESTARTS so far), else exit 3
+recover_requeue() {
+    local restarts=$1
+    if [[ $RECOVER_RESTART != requeue ]]; then
+        exit 3
+    fi
+    if (( restarts >= MAX_RESTARTS )); then
+        recover_log "not finished after $restarts restart(s) (MAX_RESTARTS=$MAX_RESTARTS): giving up"
+        exit 3
+    fi
+    [[ -n ${SLURM_JOB_ID:-} ]] || recover_die "RECOVER_RESTART=requeue needs a Slurm job"
+    recover_log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it resumes from the checkpoint"
+    scontrol requeue "$SLURM_JOB_ID" || { recover_log "scontrol requeue failed"; exit 3; }
+    # Slurm now ends this instance of the script; don't let it finish first as "COMPLETED"
+    sleep 300
+    exit 3
 }

@@ -4,6 +4,8 @@
    logged, the repair event in metrics.jsonl.
 2. Below ``min_replicas``: survivors checkpoint + exit 3, the script runs ``scontrol requeue``, Slurm starts the
    job again, it resumes from latest.txt (replaying the failed step) and its losses equal a failure-free run's.
+   With relaunches in place allowed (the default), the launcher relaunches the job inside the allocation from
+   its warm standby (a second mpirun in the allocation) instead: no requeue, the same losses.
 3. (plain launcher, no Slurm: Slurm adds nothing to it) The whole job SIGKILLed in the middle of a checkpoint
    save: latest.txt still names the previous checkpoint, the relaunch loads it and finishes.
 
@@ -28,9 +30,10 @@ from typing import Iterator
 
 import pytest
 
-from nanotron_recover.launcher.runs import run_training, write_config
-from nanotron_recover.run.run_folder import read_metrics, read_metrics_jsonl, resumed_from
+from nanotron_recover.launcher.runs import rank_pids, run_training, write_config
+from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl, resumed_from
 from tests.conftest import make_tiny_config
+from tests.launcher.test_relaunch import standby_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
@@ -112,7 +115,7 @@ def test_sbatch_single_node_survives_a_replica_loss(cluster: Cluster, tmp_path: 
     info = cluster.wait(job, timeout_s=180)
     output = log.read_text() if log.exists() else ""
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
-    assert "--with-ft ulfm" in output
+    assert "ReCoVer (ULFM)" in output and "--max-restarts 0" in output, output[-4000:]
     steps, events = read_metrics(run_dir)
     assert [s["step"] for s in steps] == list(range(1, 9)), output[-4000:]
     repairs = [e for e in events if e.get("event") == "repair"]
@@ -130,7 +133,8 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
                                      inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}]),
                           tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
+    job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",
+                                                   IN_PLACE_RESTARTS="0"),
                          sbatch_args=["--ntasks=2", f"--output={log}"])
     reference = run_training(_ft_config(min_replicas=2), tmp_path / "reference", timeout_s=150,
                              extra_args=["--synthetic-data"])  # runs while the job waits in the queue
@@ -138,7 +142,7 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
     output = log.read_text() if log.exists() else ""
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
     assert info["Restarts"] == "1", (info, output[-4000:])
-    assert "mpirun rc 3 -> restart" in output and "requeueing job" in output, output[-4000:]
+    assert "launcher exit 3 -> restart" in output and "requeueing job" in output, output[-4000:]
     records = read_metrics_jsonl(run_dir)
     stop = next(i for i, r in enumerate(records) if r.get("event") == "stopped")
     assert resumed_from([r for r in records[stop + 1:] if "event" not in r]) == 4, output[-4000:]  # the requeued job
@@ -149,6 +153,50 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
     assert len(reference.losses) == 8
     for step, (got, want) in enumerate(zip([s["loss"] for s in steps], reference.losses), start=1):
         assert abs(got - want) <= 1e-5, f"step {step}: {got} vs failure-free {want}"
+
+
+@needs_slurm
+def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_standby(cluster: Cluster,
+                                                                                     tmp_path: Path) -> None:
+    steps = 1500  # ~7 ms each: long enough for the standby to get ready, then a kill from outside
+    raw = make_tiny_config(dp=2, steps=steps, accumulation=2, layers=2,
+                           fault_tolerance={"enabled": True, "min_replicas": 2, "local_snapshot_dir": str(tmp_path)})
+    config = write_config(raw, tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
+                         sbatch_args=["--ntasks=2", f"--output={log}"])
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:  # the launcher's standby ready: both ranks imported, waiting
+        folders = {f for pid in _launchers(run_dir) for f in standby_ranks(pid).values()}
+        if folders and all(len(list(f.glob("ready-*"))) == 2 for f in folders):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"no warm standby got ready: {cluster.job(job)}")
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # below min_replicas: the job ends with the restart outcome
+    reference = run_training(raw, tmp_path / "reference", timeout_s=200, extra_args=["--synthetic-data"])
+    info = cluster.wait(job, timeout_s=240)
+    output = log.read_text() if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert info["Restarts"] == "0" and "requeueing" not in output, (info, output[-4000:])
+    assert "relaunching in place from the warm standby" in output, output[-4000:]
+    assert [launch.get("warm") for launch in read_launches(run_dir)] == [False, True]
+    assert [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r] == list(range(1, steps + 1))
+    for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5
+
+
+def _launchers(run_dir: Path) -> list[int]:
+    """The pids of the launchers running ``run_dir`` (started by the batch script)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") if entry.isdigit() else []
+        except OSError:
+            continue
+        if b"nanotron_recover.launcher.launch" in cmdline and str(run_dir).encode() in cmdline:
+            found.append(int(entry))
+    return found
 
 
 # -------------------------------------------------------------------- 2b. the time-limit warning (SIGUSR1)

@@ -5,6 +5,10 @@ whole replicas. Node 2's daemon and ranks are SIGKILLed after step 3: the whole 
 script's outcome helper says "restart" and requeues the job; Slurm starts it again on both nodes (node 2
 "replaced": its slurmd lives on), it resumes from latest.txt, and every step's loss equals the failure-free run's.
 
+With relaunches in place allowed (the default), the launcher's warm standby is a second job step on both nodes
+(its daemons started with ``srun --overlap``); the job's own daemon on node 2 lost (the standby's lives on): the
+launcher relaunches in place from the standby, no requeue, the same losses.
+
 Hard timeouts on every wait (job polling, the kill watcher, ``run_training``); needs root and Debian's Slurm.
 """
 
@@ -22,10 +26,11 @@ from typing import Iterator
 import pytest
 
 from nanotron_recover.launcher.runs import run_training, write_config
-from nanotron_recover.run.run_folder import read_metrics, read_metrics_jsonl
+from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl
 from nanotron_recover.testbed.fake_nodes import kill_processes, process_tree
 from tests.conftest import make_tiny_config
-from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, needs_slurm
+from tests.launcher.test_relaunch import standby_ranks
+from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, _launchers, needs_slurm
 
 MULTI_NODE = REPO / "scripts" / "slurm" / "recover_multi_node.sbatch"
 STEPS = 8
@@ -88,7 +93,7 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
     # the survivors may commit steps after the loss, before the teardown reaches them; all of those are kept
     config_path = write_config(config, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",
+    env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2", IN_PLACE_RESTARTS="0",
                    # both "nodes" are this machine: TCP between them (no shared memory), over loopback; their
                    # ranks share its cores, so they yield while waiting in MPI (as the fake-node bed's do)
                    MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo --mca mpi_yield_when_idle 1")
@@ -119,7 +124,7 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
     assert info["Restarts"] == "1", (info, output[-4000:])
     assert "lost communication with a remote daemon" in output or "failed to report back" in output, output[-4000:]
-    assert "mpirun rc 0 -> restart" in output and "requeueing job" in output, output[-4000:]
+    assert "launcher exit 3 -> restart" in output and "requeueing job" in output, output[-4000:]
 
     records = [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
     after = [r for r in records if r["time"] > killed_at + 1]  # logged by the requeued job
@@ -131,3 +136,45 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
         assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])
     print(f"\nSlurm, 2 nodes: node 2 lost after step 3; requeued, resumed from step {resumed} ({lost} step(s) "
           f"lost), training again {after[0]['time'] - killed_at:.1f} s after the loss")
+
+
+def _holds_standby(daemon: int) -> bool:
+    return any(b"NANOTRON_RECOVER_STANDBY" in _environ(pid) for pid in process_tree(daemon))
+
+
+@needs_slurm
+@pytest.mark.timeout(420)
+def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a_warm_relaunch(two_nodes, tmp_path):
+    steps = 400  # the standby gets ready within ~150 of them here
+    config = make_tiny_config(dp=2, tp=2, steps=steps, accumulation=2, layers=2, checkpoint_interval=100,
+                              fault_tolerance={"enabled": True, "local_snapshot_interval": 1})
+    config_path = write_config(config, tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",
+                   MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo --mca mpi_yield_when_idle 1")
+    job = two_nodes.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:  # every standby rank imported and waiting, on both nodes
+        folders = {f for pid in _launchers(run_dir) for f in standby_ranks(pid).values()}
+        if folders and all(len(list(f.glob("ready-*"))) == 4 for f in folders):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"no warm standby got ready: {two_nodes.job(job)}")
+    on_n2 = slurm_node_daemons("n2")
+    standby_daemons = [d for d in on_n2 if _holds_standby(d)]
+    assert standby_daemons and len(standby_daemons) < len(on_n2), on_n2  # node 2: the job's daemon and the standby's
+    kill_processes(dict.fromkeys(p for d in on_n2 if d not in standby_daemons for p in process_tree(d)))
+
+    reference = run_training(config, tmp_path / "reference", timeout_s=200, extra_args=["--synthetic-data"])
+    info = two_nodes.wait(job, timeout_s=240)
+    output = log.read_text(errors="replace") if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert info["Restarts"] == "0" and "requeueing" not in output, (info, output[-4000:])
+    assert "relaunching in place from the warm standby" in output, output[-4000:]
+    assert [launch.get("warm") for launch in read_launches(run_dir)] == [False, True]
+    records = [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    assert records[-1]["step"] == steps
+    want = {s["step"]: s["loss"] for s in reference.steps}
+    for r in records:  # replays included
+        assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])

@@ -100,8 +100,12 @@ class Standby:
         self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
         self.world_size = spec.world_size
         env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
+        # In a Slurm allocation its mpirun starts the daemons of the other nodes as a second job step, which must
+        # share the allocation's CPUs with the running job's (srun --overlap; without it the step waited for the
+        # job's end on the test cluster, and the standby never got ready). On the batch node it forks its ranks.
+        overlap = {"SLURM_OVERLAP": "1"} if os.environ.get("SLURM_JOB_ID") else None
         self.job = MpirunJob(with_env(cmd, env), graceful=spec.stop_grace_s is not None,
-                             pass_fds=spec.pass_fds, die_with_launcher=True)
+                             pass_fds=spec.pass_fds, env=overlap, die_with_launcher=True)
 
     def ready(self) -> bool:
         return self.job.proc.poll() is None and all(ready_file(self.folder, r).exists()

@@ -55,7 +55,7 @@ ensure_adam_state(optimizer)
 for t in optimizer.state[param].values():
     t.fill_(0.5)
 ft = FTWorld(MPI.COMM_WORLD, ranks_per_replica=1, watch=False)
-snapshots = snap.LocalSnapshots(config, base / "run", ft, replica=rank, coord=0, log=lambda m: None)
+snapshots = snap.LocalSnapshots.for_config(config, base / "run", ft, replica=rank, coord=0, log=lambda m: None)
 if phase == "write":
     snapshots.resume(state, None)
     snapshots.after_commit(1, state)

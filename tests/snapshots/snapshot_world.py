@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from nanotron_recover.snapshots.local_snapshot import _group_settings
+from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import private_tree, snapshot_folder
 from nanotron_recover.snapshots.writer import SnapshotWriter
 from nanotron_recover.training.training_state import ensure_adam_state, state_tensors
@@ -70,7 +71,7 @@ def node_folder(cfg: types.SimpleNamespace, run_id: str, node: str, monkeypatch)
     from nanotron_recover.snapshots.store import NODE_NAME_ENV
 
     monkeypatch.setenv(NODE_NAME_ENV, node)
-    folder = snapshot_folder(cfg, run_id)
+    folder = snapshot_folder(SnapshotSettings.of(cfg), run_id)
     private_tree(Path(cfg.fault_tolerance.local_snapshot_dir), run_id, node)
     monkeypatch.delenv(NODE_NAME_ENV)
     return folder

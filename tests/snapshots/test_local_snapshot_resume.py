@@ -20,6 +20,7 @@ import pytest
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.launcher.runs import kill_run_processes, run_training, write_config
 from nanotron_recover.run.run_folder import read_metrics, run_id
+from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import snapshot_folder
 from tests.conftest import make_tiny_config
 
@@ -68,7 +69,7 @@ def test_a_killed_job_continues_from_its_last_committed_step(kind, tmp_path):
     run_dir = tmp_path / "run"
     config_path = write_config(config(kind, tmp_path), run_dir / "config.yaml")
     last = launch_and_kill_the_job(config_path, run_dir, KILL_AFTER)
-    folder = snapshot_folder(config_from_dict(config(kind, tmp_path)), run_id(run_dir))
+    folder = snapshot_folder(SnapshotSettings.of(config_from_dict(config(kind, tmp_path))), run_id(run_dir))
     assert sorted(p.name for p in folder.glob("*.snap")), "every rank left its snapshots on the node"
 
     relaunched = time.time()
@@ -104,7 +105,7 @@ def test_a_new_run_in_a_remade_run_dir_does_not_take_the_old_runs_snapshots(tmp_
     run_dir = tmp_path / "run"
     raw = config("3d", tmp_path)
     launch_and_kill_the_job(write_config(raw, run_dir / "config.yaml"), run_dir, 3)
-    old = snapshot_folder(config_from_dict(raw), run_id(run_dir))
+    old = snapshot_folder(SnapshotSettings.of(config_from_dict(raw)), run_id(run_dir))
     assert list(old.glob("*.snap"))
     shutil.rmtree(run_dir)
     result = run_training(write_config(raw, run_dir / "config.yaml"), run_dir, timeout_s=TIMEOUT_S,
@@ -137,7 +138,7 @@ def test_with_auto_the_interval_grows_to_its_cap_and_a_relaunch_loses_at_most_th
     run_dir = tmp_path / "run"
     config_path = write_config(auto_config(), run_dir / "config.yaml")
     last = launch_and_kill_the_job(config_path, run_dir, 8)
-    folder = snapshot_folder(config_from_dict(auto_config()), run_id(run_dir))
+    folder = snapshot_folder(SnapshotSettings.of(config_from_dict(auto_config())), run_id(run_dir))
     held = sorted({int(re.search(r"\.s(\d+)\.snap$", p.name).group(1)) for p in folder.glob("*.snap")})
     assert len(held) >= 2 and held[-1] - held[-2] == AUTO_CAP, held  # the two newest: one interval apart
 

@@ -165,7 +165,7 @@ class OneRankWorld:
 
 
 def launch(tmp_path: Path, log: list[str]) -> LocalSnapshots:
-    return LocalSnapshots(config(tmp_path / "store"), tmp_path / "run", OneRankWorld(), replica=0, coord=0,
+    return LocalSnapshots.for_config(config(tmp_path / "store"), tmp_path / "run", OneRankWorld(), replica=0, coord=0,
                           log=log.append)
 
 
@@ -195,7 +195,7 @@ def test_files_newer_than_the_resumed_step_are_deleted(tmp_path):
     resumed and every step-3 file goes, so that no later launch mixes them."""
     cfg = config(tmp_path / "store")
     cfg.ranks_per_replica = 2
-    snapshots = LocalSnapshots(cfg, tmp_path / "run", OneRankWorld(), replica=0, coord=0, log=lambda m: None)
+    snapshots = LocalSnapshots.for_config(cfg, tmp_path / "run", OneRankWorld(), replica=0, coord=0, log=lambda m: None)
     h, other = "0000000000a1", "0000000000b2"
     for coord, history, steps in ((0, h, [2, 3]), (1, h, [1, 2]), (1, other, [3])):
         write_line(snapshots.folder, snapshots.run_id, snapshots.config_hash, coord, history, steps)
@@ -239,7 +239,7 @@ def test_a_store_of_another_user_turns_snapshots_off_and_the_run_goes_on(tmp_pat
 def test_a_node_without_room_for_its_ranks_snapshots_turns_them_off_at_start(small_tmpfs):
     said: list[str] = []
     cfg = config(small_tmpfs / "store")
-    snapshots = LocalSnapshots(cfg, small_tmpfs / "run", OneRankWorld(), replica=0, coord=0, log=said.append)
+    snapshots = LocalSnapshots.for_config(cfg, small_tmpfs / "run", OneRankWorld(), replica=0, coord=0, log=said.append)
     assert snapshots.resume(training_state(0.0, numel=30_000), None) is None  # 3 x 360 KB > 256 KiB
     assert not snapshots.writing and any("need" in m and "larger folder" in m for m in said), said
     snapshots.after_commit(1, training_state(1.0, numel=30_000))

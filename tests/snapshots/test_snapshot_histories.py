@@ -39,7 +39,7 @@ from tests.snapshots.snapshot_world import config, state_digest, training_state
 base = Path(sys.argv[1])
 ft = FTWorld(MPI.COMM_WORLD, ranks_per_replica=2, watch=False)
 state = training_state(0.0)
-snapshots = LocalSnapshots(config(base / "store", 2), base / "run", ft, replica=rank // 2, coord=rank % 2)
+snapshots = LocalSnapshots.for_config(config(base / "store", 2), base / "run", ft, replica=rank // 2, coord=rank % 2)
 step = snapshots.resume(state, None)
 print(f"RESULT rank={rank} coord={rank % 2} step={step} digest={state_digest(state)}", flush=True)
 """

@@ -14,6 +14,7 @@ from nanotron_recover.launcher.runs import run_training
 from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON
 from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics_jsonl, run_id
 from nanotron_recover.snapshots.catalog import _FILE, SUFFIX
+from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import snapshot_folder
 from tests.conftest import make_tiny_config
 
@@ -48,7 +49,7 @@ def test_a_nan_microbatch_ends_the_run_with_the_last_finite_state_kept(ft, tmp_p
     assert named and all(n["replica"] == 1 for n in named), read_exits(run)
     assert all(e["code"] == EXIT_NEEDS_PERSON for e in read_exits(run).values())
     if ft:  # the newest node-local snapshot is of the last finite step
-        folder = snapshot_folder(config_from_dict(poisoned), run_id(run))
+        folder = snapshot_folder(SnapshotSettings.of(config_from_dict(poisoned)), run_id(run))
         snapped = {int(m.group(4)) for p in folder.glob(f"*{SUFFIX}") if (m := _FILE.fullmatch(p.name))}
         assert max(snapped) == POISONED - 1, snapped
 

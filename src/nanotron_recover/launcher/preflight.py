@@ -73,9 +73,9 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
     as free: they are replaced)."""
     from nanotron_recover.snapshots.settings import SnapshotSettings
 
-    if not config.ft_enabled or not SnapshotSettings.of(config).enabled:
+    settings = SnapshotSettings.of(config) if config.ft_enabled else None
+    if settings is None or not settings.enabled:
         return
-    settings = SnapshotSettings.of(config)
     from nanotron_recover.run.run_folder import run_id
     from nanotron_recover.snapshots.store import reserved_bytes, snapshot_folder
     from nanotron_recover.training.memory import snapshot_bytes_per_rank
@@ -88,7 +88,7 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
         raise ConfigError(f"fault_tolerance.local_snapshot_dir: {folder} cannot be created here (no write access "
                           f"to {existing}); set another folder, or local_snapshot_interval: 0")
     run = run_id(run_dir)
-    ours = None if run is None else snapshot_folder(config, run)
+    ours = None if run is None else snapshot_folder(settings, run)
     reusable = sum(f.stat().st_size for f in ours.glob("*") if f.is_file()) if ours and ours.is_dir() else 0
     free = shutil.disk_usage(existing).free + reusable
     # at most 3 files a rank: two complete snapshots, and the next one being written (an old one goes only after

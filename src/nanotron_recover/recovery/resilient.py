@@ -359,8 +359,8 @@ class ResilientDataParallel(DataParallelStrategy):
             self.config.fault_tolerance.checkpoint_on_stop or not self.snapshot_schedule.enabled)
 
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
-        self.snapshots = LocalSnapshots(self.config, self.lifecycle.run_dir or Path("."), self.ft, self.replica,
-                                        self.local_rank)
+        self.snapshots = LocalSnapshots.for_config(self.config, self.lifecycle.run_dir or Path("."), self.ft,
+                                                   self.replica, self.local_rank)
         self.progress(0, Phase.LOCAL_SNAPSHOT_RESUME)
         return self.snapshots.resume(state, newer_than)
 

@@ -95,11 +95,11 @@ class LocalSnapshots:
     receive its state) but writes nothing.
     """
 
-    def __init__(self, config: Any, run_dir: Path, ft: Any, replica: int, coord: int,
-                 log: Callable[[str], None] = print) -> None:
-        self.settings = SnapshotSettings.of(config)  # on or off; which steps: the SnapshotSchedule
-        self.config_hash = config_hash(config)
-        self.coords = range(config.ranks_per_replica)
+    def __init__(self, settings: SnapshotSettings, *, config_hash: str, ranks_per_replica: int, run_dir: Path,
+                 ft: Any, replica: int, coord: int, log: Callable[[str], None] = print) -> None:
+        self.settings = settings  # on or off, the folder, the budget; which steps: the SnapshotSchedule
+        self.config_hash = config_hash  # the run's identity in every file: another config's snapshots are refused
+        self.coords = range(ranks_per_replica)
         self.ft, self.replica, self.coord, self.log = ft, replica, coord, log
         self.base = self.settings.folder
         self.history: str | None = None
@@ -114,12 +114,20 @@ class LocalSnapshots:
             return
         try:
             self.run_id = ensure_run_id(run_dir)
-            self.folder = snapshot_folder(config, self.run_id)
+            self.folder = snapshot_folder(settings, self.run_id)
             self._node = self.folder.name
             private_tree(self.base, self.run_id, self.folder.name)
             self._store_ok = True
         except (OSError, ValueError) as e:
             self._turn_off(f"{e}")
+
+    @classmethod
+    def for_config(cls, config: Any, run_dir: Path, ft: Any, replica: int, coord: int,
+                   log: Callable[[str], None] = print) -> LocalSnapshots:
+        """The store of a job's ``config``: what it needs of it (its settings, identity, ranks per replica)."""
+        return cls(SnapshotSettings.of(config), config_hash=config_hash(config),
+                   ranks_per_replica=config.ranks_per_replica, run_dir=run_dir, ft=ft, replica=replica, coord=coord,
+                   log=log)
 
     @property
     def enabled(self) -> bool:

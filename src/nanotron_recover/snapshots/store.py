@@ -71,9 +71,9 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def snapshot_folder(config: Any, run_id: str) -> Path:
+def snapshot_folder(settings: SnapshotSettings, run_id: str) -> Path:
     """This node's folder of the snapshots of run ``run_id``."""
-    return SnapshotSettings.of(config).folder / run_id / node_name()
+    return settings.folder / run_id / node_name()
 
 
 def private_dir(path: Path) -> Path:

@@ -4,6 +4,7 @@
   relaunches it in place from the warm standby (the launch record says ``warm``), and the run finishes with the
   failure-free losses, every step logged once.
 * The launcher SIGKILLed while its standby waits: no standby process is left within 5 s.
+* A standby SIGKILLed while it waits (its mpirun and ranks): the launcher starts another, and the relaunch is warm.
 * A rank SIGKILLed at a random moment of the first seconds (start-up included), at the default settings: the run
   finishes (in-step, or after an in-place relaunch within 30 s of the kill) with the failure-free losses.
 * A rank SIGKILLed before its start-up guard is armed: the launcher sees it gone and the relaunch comes in seconds.
@@ -154,6 +155,31 @@ def test_a_sigkilled_launcher_leaves_no_standby_behind(tmp_path):
         assert not left, f"standby processes left 5 s after the launcher's SIGKILL: {sorted(left)}"
     finally:
         kill_run_processes(run_dir, proc)  # the job itself outlives its launcher on purpose (it holds the lock)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_standby_that_died_while_waiting_is_replaced_and_the_relaunch_is_still_warm(tmp_path):
+    steps = 3000  # ~7 ms each: time for two standbys to get ready
+    run_dir = tmp_path / "run"
+    config_path = write_config(config(tmp_path, steps, min_replicas=2), run_dir / "config.yaml")
+    with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=1) as proc:
+        wait_for_ready_standby(proc, ranks=2)
+        first = standby_ranks(proc.pid)
+        for pid in first:  # the standby's mpirun and ranks, as a failed node step would leave them: gone
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (set(standby_ranks(proc.pid).values()) - set(first.values())):
+            time.sleep(0.05)
+        wait_for_ready_standby(proc, ranks=2)
+        assert not set(standby_ranks(proc.pid).values()) & set(first.values()), "the dead standby was not replaced"
+        kill_and_wait(proc, rank_pids(run_dir)[1])
+    output = (tmp_path / "launcher.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "the warm standby ended while waiting" in output and "starting another" in output, output[-3000:]
+    assert [launch.get("warm") for launch in read_launches(run_dir)] == [False, True]
+    logged = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == steps, "a step logged twice, or the run unfinished"
 
 
 @pytest.mark.slow

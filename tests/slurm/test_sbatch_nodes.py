@@ -145,7 +145,7 @@ def _holds_standby(daemon: int) -> bool:
 @needs_slurm
 @pytest.mark.timeout(420)
 def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a_warm_relaunch(two_nodes, tmp_path):
-    steps = 400  # the standby gets ready within ~150 of them here
+    steps = 800  # the standby gets ready within ~150 of them here (a standby whose daemon step failed: replaced)
     config = make_tiny_config(dp=2, tp=2, steps=steps, accumulation=2, layers=2, checkpoint_interval=100,
                               fault_tolerance={"enabled": True, "local_snapshot_interval": 1})
     config_path = write_config(config, tmp_path / "config.yaml")

@@ -31,6 +31,7 @@ from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path, read
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
 DEFAULT_MAX_RESTARTS = 3
 TAIL_BYTES = 65536
+STANDBY_STARTS = 3  # standbys started per launch at most (one whose mpirun ended while it waited is replaced)
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
 
 
@@ -140,6 +141,7 @@ class Relauncher:
         self.standby: Standby | None = None
         self._metrics_size = 0
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
+        self._standby_starts = 0  # standbys started during the running launch
         self.restarts = 0
 
     def run(self) -> int:
@@ -177,15 +179,25 @@ class Relauncher:
         return self.judge(rc)
 
     def _mark_start(self) -> None:
+        self._standby_starts = 0
         path = metrics_path(self.spec.run_dir)
         self._metrics_size = path.stat().st_size if path.exists() else 0
 
     def _tick(self) -> None:
         """While a job runs: start the standby once the job has logged something (its start-up, which the
-        standby's would slow down, is over)."""
-        if not self.spec.standby or self.standby is not None or self.stop.requested or self.spec.max_restarts < 1:
+        standby's would slow down, is over). A standby whose ``mpirun`` ended while it waited is replaced, up to
+        :data:`STANDBY_STARTS` per launch (seen on Slurm: the standby's daemon step failed to start, exit 213)."""
+        if not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
             return
-        if self._job_trains():
+        if self.standby is not None:
+            if self.standby.job.proc.poll() is None:
+                return
+            say(f"the warm standby ended while waiting ({self.standby.why_not()})"
+                + ("; starting another" if self._standby_starts < STANDBY_STARTS else "; no other this launch"))
+            self.standby.cancel()
+            self.standby = None
+        if self._standby_starts < STANDBY_STARTS and self._job_trains():
+            self._standby_starts += 1
             self.standby = Standby(self.spec, self._command(self.restarts + 1))
 
     def _command(self, restarts: int) -> list[str]:

@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pytest
 
@@ -84,11 +84,16 @@ def standby_ranks(launcher_pid: int) -> dict[int, Path]:
     return out
 
 
+def standby_ready(launcher_pids: Iterable[int], ranks: int) -> bool:
+    """A standby of these launchers is up and each of its ``ranks`` ranks has imported and waits."""
+    folders = {f for pid in launcher_pids for f in standby_ranks(pid).values()}
+    return bool(folders) and all(len(list(f.glob("ready-*"))) == ranks for f in folders)
+
+
 def wait_for_ready_standby(launcher: subprocess.Popen, ranks: int) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and launcher.poll() is None:
-        folders = set(standby_ranks(launcher.pid).values())
-        if folders and all(len(list(f.glob("ready-*"))) == ranks for f in folders):
+        if standby_ready([launcher.pid], ranks):
             return
         time.sleep(0.05)
     raise AssertionError("no warm standby got ready")

@@ -33,7 +33,7 @@ import pytest
 from nanotron_recover.launcher.runs import rank_pids, run_training, write_config
 from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl, resumed_from
 from tests.conftest import make_tiny_config
-from tests.launcher.test_relaunch import standby_ranks
+from tests.launcher.test_relaunch import standby_ready
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
@@ -165,14 +165,7 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
                          sbatch_args=["--ntasks=2", f"--output={log}"])
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:  # the launcher's standby ready: both ranks imported, waiting
-        folders = {f for pid in _launchers(run_dir) for f in standby_ranks(pid).values()}
-        if folders and all(len(list(f.glob("ready-*"))) == 2 for f in folders):
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"no warm standby got ready: {cluster.job(job)}")
+    wait_for_batch_standby(cluster, job, run_dir, ranks=2, timeout_s=150)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # below min_replicas: the job ends with the restart outcome
     reference = run_training(raw, tmp_path / "reference", timeout_s=200, extra_args=["--synthetic-data"])
     info = cluster.wait(job, timeout_s=240)
@@ -184,6 +177,16 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
     assert [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r] == list(range(1, steps + 1))
     for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses, strict=True):
         assert abs(got - want) <= 1e-5
+
+
+def wait_for_batch_standby(cluster: Cluster, job: int, run_dir: Path, ranks: int, timeout_s: float) -> None:
+    """Until the standby of the batch script's launcher is ready: every one of its ``ranks`` ranks imported."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if standby_ready(_launchers(run_dir), ranks):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no warm standby got ready: {cluster.job(job)}")
 
 
 def _launchers(run_dir: Path) -> list[int]:

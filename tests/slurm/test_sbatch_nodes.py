@@ -29,8 +29,7 @@ from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl
 from nanotron_recover.testbed.fake_nodes import kill_processes, process_tree
 from tests.conftest import make_tiny_config
-from tests.launcher.test_relaunch import standby_ranks
-from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, _launchers, needs_slurm
+from tests.slurm.test_sbatch import CLUSTER, REPO, Cluster, _job_env, needs_slurm, wait_for_batch_standby
 
 MULTI_NODE = REPO / "scripts" / "slurm" / "recover_multi_node.sbatch"
 STEPS = 8
@@ -153,14 +152,7 @@ def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a
     env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2",
                    MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo --mca mpi_yield_when_idle 1")
     job = two_nodes.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline:  # every standby rank imported and waiting, on both nodes
-        folders = {f for pid in _launchers(run_dir) for f in standby_ranks(pid).values()}
-        if folders and all(len(list(f.glob("ready-*"))) == 4 for f in folders):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"no warm standby got ready: {two_nodes.job(job)}")
+    wait_for_batch_standby(two_nodes, job, run_dir, ranks=4, timeout_s=200)  # on both nodes
     on_n2 = slurm_node_daemons("n2")
     standby_daemons = [d for d in on_n2 if _holds_standby(d)]
     assert standby_daemons and len(standby_daemons) < len(on_n2), on_n2  # node 2: the job's daemon and the standby's

@@ -56,7 +56,8 @@ def test_a_second_sigterm_to_a_rank_ends_it():
 
 
 def stats(stop: bool) -> StepStats:
-    s = StepStats(config_from_dict(make_tiny_config(dp=2, accumulation=2, steps=4, fault_tolerance={"enabled": True})))
+    config = make_tiny_config(dp=2, accumulation=2, steps=4, fault_tolerance={"enabled": True})
+    s = StepStats.of(config_from_dict(config))
     s.fill(1.0, LocalWork(microbatches=2), True, 0, stop=stop)
     return s
 

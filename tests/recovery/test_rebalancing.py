@@ -139,7 +139,7 @@ def test_a_drained_straggler_leaves_once_a_spare_appears() -> None:
     config = config_from_dict(make_tiny_config(dp=3, accumulation=2, steps=6, fault_tolerance={
         "enabled": True, "spare_replicas": 1, "straggler_factor": 2.0, "straggler_steps": 2,
         "straggler_action": "evict"}))
-    stats, roster = StepStats(config), ReplicaRoster(active=[0, 1, 2], spares=[3])
+    stats, roster = StepStats.of(config), ReplicaRoster(active=[0, 1, 2], spares=[3])
     roster.on_failure([1])  # spare 3 takes slot 1
 
     def observe(per_slot: dict[int, tuple[int, float]]) -> dict:

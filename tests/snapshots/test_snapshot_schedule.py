@@ -79,7 +79,7 @@ def test_every_rank_decides_the_same_whatever_order_the_sums_come_in(costs, rnd)
 
 
 def test_the_step_stats_carry_a_ranks_write_cost_and_step_time_in_microseconds():
-    stats = StepStats(config_from_dict(make_tiny_config(dp=2, accumulation=2, fault_tolerance={"enabled": True})))
+    stats = StepStats.of(config_from_dict(make_tiny_config(dp=2, accumulation=2, fault_tolerance={"enabled": True})))
     stats.fill(1.0, LocalWork(), counts=True, slot=0, snapshot_cost_s=0.0123456, step_s=0.5)
     assert stats.snapshot_sums() == (12346.0, 1.0, 500000.0, 1.0)
     stats.fill(1.0, LocalWork(), counts=True, slot=0)  # nothing measured yet: nothing counted

@@ -58,12 +58,18 @@ class StepStats:
     every attempt; ``balancer``: the speed estimates and the weights the planner uses; ``evicting``: drained
     stragglers that leave for a spare (``straggler_action: evict``), the same set on every rank."""
 
-    def __init__(self, config: RecoverConfig) -> None:
-        self.slots = config.parallelism.dp
+    def __init__(self, slots: int, microbatches_per_step: int, settings: RebalanceSettings, evicts: bool) -> None:
+        self.slots = slots
         self.stats = np.zeros(2 + 2 * self.slots + TAIL_ENTRIES, dtype=np.float64)
-        self.balancer = Rebalancer(config.microbatches_per_step, settings_of(config))
-        self.evicts = config.fault_tolerance.straggler_action == "evict"
+        self.balancer = Rebalancer(microbatches_per_step, settings)
+        self.evicts = evicts
         self.evicting: set[int] = set()
+
+    @classmethod
+    def of(cls, config: RecoverConfig) -> StepStats:
+        """The sums of a job: ``dp`` slots, M microbatches, the rebalancer's and the stragglers' settings."""
+        evicts = config.fault_tolerance.straggler_action == "evict"
+        return cls(config.parallelism.dp, config.microbatches_per_step, settings_of(config), evicts)
 
     def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None,
              snapshot_cost_s: float | None = None, step_s: float | None = None,

@@ -107,7 +107,7 @@ class ResilientDataParallel(DataParallelStrategy):
             coordinates_changed=self._take_coordinates, build_replica=self._build_formed_replica,
             drop_if_pooled=self._drop_replica_if_pooled)
         self._applied = len(ft.events)  # repair events already applied to the roster and the pool
-        self.step_stats = StepStats(config)  # the step's world-wide sums: loss, microbatches, each slot's speed
+        self.step_stats = StepStats.of(config)  # the step's world-wide sums: loss, microbatches, each slot's speed
         self._pending_activation = False
         # Replicas holding the committed state of the last committed step: those that committed it, a spare or formed
         # replica once its state transfer completed everywhere (one whose donor died mid-transfer holds initial

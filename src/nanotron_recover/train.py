@@ -20,8 +20,7 @@ from nanotron_recover.launcher.overrides import add_override_args
 from nanotron_recover.process.standby_rank import standby_folder, wait_until_released
 from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard, waiting_for_peers
 from nanotron_recover.process.stop_request import STOP
-from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
-from nanotron_recover.run.run_folder import record_exit
+from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
 
@@ -33,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     STOP.install()  # a stop signal from now on ends the job at a step boundary (stop_request.py)
     standby = standby_folder()
     if standby is not None:  # a warm standby: the imports now, MPI and the rest once released (standby_rank.py)
-        wait_until_released(standby, prepare=_import_training_stack)
+        wait_until_released(standby, prepare=lambda: _import_training_stack(args))
     guard = arm_startup_guard(args.config_file, args.run_dir)
 
     from nanotron_recover.config import ConfigError
@@ -54,46 +53,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout_s = config.fault_tolerance.collective_timeout_s if config.fault_tolerance else 600.0
     if config.ft_enabled:
         return _run_resilient(config, run_dir, timeout_s, guard)
-    return _run_stock(config, run_dir, timeout_s)
+    from nanotron_recover.training.stock import run_stock
+
+    return run_stock(config, run_dir, timeout_s)
 
 
-def _run_stock(config, run_dir: Path, timeout_s: float) -> int:
-    import torch.distributed as torch_dist
-
-    from nanotron_recover.training.stock import StockDataParallel
-    from nanotron_recover.training.torch_world import init_stock_torch_world
-    from nanotron_recover.training.trainer import RecoverTrainer
-
-    STOP.uninstall()  # stock nanotron ends on a signal: the checkpoint-restart baseline keeps doing so
-    init_stock_torch_world(timeout_s)
-    trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
-    code, reason, extra = EXIT_DONE, "finished", {}
-    try:
-        trainer.train()
-    except NeedsPerson as e:  # every rank alike (one world): damaged state, a non-finite step
-        code, reason, extra = EXIT_NEEDS_PERSON, str(e), e.record
-        trainer.metrics.close()
-        if torch_dist.get_rank() == 0:
-            print(f"[nanotron-recover] stopping for a person (exit {code}): {e}", file=sys.stderr, flush=True)
-    torch_dist.barrier()
-    record_exit(run_dir, torch_dist.get_rank(), code, reason, **extra)
-    torch_dist.destroy_process_group()
-    return code
-
-
-def _import_training_stack() -> None:
-    """What a rank imports before it trains, less MPI's initialization (a warm standby's head start)."""
+def _import_training_stack(args: argparse.Namespace) -> None:
+    """What a rank imports before it trains, less MPI's initialization (a warm standby's head start): the strategy
+    its config runs (HSDP's imports FSDP, ~0.4 s of CPU), and wandb with its service started on the rank that will
+    log (world rank 0 of a new launch). A standby's imports share the cores of the job it stands beside."""
     import mpi4py
 
     mpi4py.rc.initialize = False
     from mpi4py import MPI  # noqa: F401 - loaded, not initialized
 
-    import nanotron_recover.hsdp.strategy  # noqa: F401
+    from nanotron_recover.config import ConfigError
+    from nanotron_recover.launcher.overrides import load_effective_config
+
+    try:
+        config = load_effective_config(args)
+    except (ConfigError, FileNotFoundError):
+        config = None  # reported once released, as a cold start reports it
     import nanotron_recover.recovery.lifecycle  # noqa: F401
     import nanotron_recover.training.trainer  # noqa: F401
 
-    if os.environ.get("WANDB_MODE") != "disabled":
-        import wandb  # noqa: F401 - the logging rank's wandb start: this import is ~0.2 s of its ~0.9 s here
+    if config is None or config.sharded_replicas:
+        import nanotron_recover.hsdp.strategy  # noqa: F401
+    else:
+        import nanotron_recover.recovery.resilient  # noqa: F401
+    if os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0" and os.environ.get("WANDB_MODE") != "disabled":
+        import wandb
+
+        wandb.setup()  # its service process, which the logging rank's wandb.init then joins
 
 
 def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,8 +26,10 @@ from torch.nn.parallel import DistributedDataParallel
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.nanotron_compat.fp32_accumulator import has_low_precision_params
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
+from nanotron_recover.process.stop_request import STOP
 from nanotron_recover.run import devices
-from nanotron_recover.run.exit_codes import NeedsPerson
+from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
+from nanotron_recover.run.run_folder import record_exit
 from nanotron_recover.training.buckets import GradBuckets
 from nanotron_recover.training.seam import (
     AttachedModel,
@@ -34,6 +38,8 @@ from nanotron_recover.training.seam import (
     DataParallelStrategy,
     StepServices,
 )
+from nanotron_recover.training.torch_world import init_stock_torch_world
+from nanotron_recover.training.trainer import RecoverTrainer
 from nanotron_recover.training.training_state import TrainingState
 from nanotron_recover.workload.planner import plan_step
 
@@ -113,3 +119,22 @@ class StockDataParallel(DataParallelStrategy):
                         extra_state: dict | None = None) -> None:
         # every rank writes its part (nanotron's serialize filters dp>0 itself); rank 0 publishes
         write(True, lambda: torch_dist.barrier(), self.world_rank == 0, extra_state)
+
+
+def run_stock(config: RecoverConfig, run_dir: Path, timeout_s: float) -> int:
+    """A rank of the stock path, from its torch world to its exit record; returns its exit code."""
+    STOP.uninstall()  # stock nanotron ends on a signal: the checkpoint-restart baseline keeps doing so
+    init_stock_torch_world(timeout_s)
+    trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
+    code, reason, extra = EXIT_DONE, "finished", {}
+    try:
+        trainer.train()
+    except NeedsPerson as e:  # every rank alike (one world): damaged state, a non-finite step
+        code, reason, extra = EXIT_NEEDS_PERSON, str(e), e.record
+        trainer.metrics.close()
+        if torch_dist.get_rank() == 0:
+            print(f"[nanotron-recover] stopping for a person (exit {code}): {e}", file=sys.stderr, flush=True)
+    torch_dist.barrier()
+    record_exit(run_dir, torch_dist.get_rank(), code, reason, **extra)
+    torch_dist.destroy_process_group()
+    return code

@@ -113,3 +113,28 @@ def test_the_text_names_every_number(relaunched_run):
                      "effective training time ratio: 0.057",
                      "committed: 48 samples (24 microbatches) of the failure-free 48 samples (24 microbatches)"):
         assert expected in text, text
+
+
+def test_regrow_decisions_and_the_stop_they_end_a_launch_with_are_shown_with_their_numbers(tmp_path):
+    """A replica lost after step 2: "not yet" at step 3, "regrow" at step 4 (the launch's last step, its
+    regrow_stop event), the relaunch at full width resumes at step 5."""
+    run = FakeRun(tmp_path)
+    for step in (1, 2):
+        run.step(step, 8.0 - step, first=step == 1)
+    decision = {"computing_replicas": 1, "full_width": 2, "step_full_s": 0.1, "horizon_s": 36.0}
+    for step, verdict, cost in ((3, "not yet", 0.9), (4, "regrow", 1.8)):
+        run.step(step, 8.0 - step, step_time=0.2)
+        run.event("regrow", step=step, decision=verdict, step_now_s=0.2, relaunch_s=1.25, degraded_cost_s=cost,
+                  **decision)
+    run.event("regrow_stop", step=4, reason="regrow: back to 2 replicas after step 4")
+    run.relaunch(gap=1.5)
+    for step in (5, 6):
+        run.step(step, 8.0 - step, first=step == 5)
+    run.close()
+    s = summarize(load_timeline(tmp_path))
+    assert [(e["step"], e["decision"]) for e in s.regrow_decisions] == [(3, "not yet"), (4, "regrow")]
+    text = format_summary(s)
+    assert "regrow decisions (fault_tolerance.regrow): not yet 1, regrow 1" in text, text
+    assert ("step 4: regrow (1 of 2 replicas computing; step 200 ms against 100 ms at full width; degraded until the "
+            "next failure (36 s) costs 1.80 s, a relaunch 1.25 s)") in text, text
+    assert "launch 2 resumed from step 4 (launch 1 logged steps 1..4 after stopping: regrow: back to 2" in text, text

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from nanotron_recover.report.timeline import Launch, RunTimeline, StepPoint, event_time
 
@@ -30,6 +30,7 @@ LOST_RECOVERY = "rest of the recovery in failure steps"
 LOST_REPLAYED = "steps replayed after a relaunch"
 LOST_BETWEEN = "between steps (checkpoint saves, ...)"
 LOST_LAUNCH_END = "end of a launch (step in flight, stop, checkpoint)"
+REGROW_LINES = 12  # regrow decisions printed one per line; the rest are counted
 LOST_RELAUNCH = "relaunch (next start-up, requeue wait)"
 
 
@@ -66,6 +67,7 @@ class Summary:
     max_abs_dloss: float | None = None
     compared_steps: int = 0
     problems: list[str] = field(default_factory=list)
+    regrow_decisions: list[dict[str, Any]] = field(default_factory=list)  # the ``regrow`` events, "not yet" too
 
     @property
     def detect_repair_median_ms(self) -> float | None:
@@ -111,7 +113,8 @@ def summarize(tl: RunTimeline, compare: RunTimeline | None = None) -> Summary:
         failure_free_steps=_failure_free_steps(tl, final_steps), micro_batch_size=tl.size.micro_batch_size,
         train_steps=tl.size.train_steps, short_steps=short, missing_steps=missing,
         hang_stack_files=[p.name for p in tl.hang_stacks],
-        exit_codes=dict(Counter(int(e.get("code", -1)) for e in tl.exits.values())), problems=list(tl.problems))
+        exit_codes=dict(Counter(int(e.get("code", -1)) for e in tl.exits.values())), problems=list(tl.problems),
+        regrow_decisions=tl.events_of("regrow"))
     if compare is not None:
         deltas = loss_differences(tl.losses(), compare.losses())
         summary.max_abs_dloss = max(deltas.values()) if deltas else None
@@ -290,7 +293,26 @@ def _relaunch_lines(s: Summary) -> list[str]:
         why = f" after stopping: {before.stopped}" if before.stopped else ""
         lines.append(f"  launch {after.index} resumed from step {after.resumed_from} (launch {before.index} logged "
                      f"steps {before.first_step}..{before.last_step}{why}), {after.start - before.end:.1f} s later")
+    if s.regrow_decisions:
+        said = Counter(str(e.get("decision")) for e in s.regrow_decisions)
+        lines.append(f"regrow decisions (fault_tolerance.regrow): {_counts(dict(said))}")
+        shown = s.regrow_decisions[:REGROW_LINES]
+        lines += [f"  {_regrow_line(e)}" for e in shown]
+        if len(s.regrow_decisions) > len(shown):
+            lines.append(f"  ... and {len(s.regrow_decisions) - len(shown)} more (metrics.jsonl, event regrow)")
     return lines
+
+
+def _regrow_line(e: dict[str, Any]) -> str:
+    """One decision with the numbers it weighed: a relaunch against running degraded until the next failure."""
+    def num(key: str, scale: float = 1.0, digits: int = 2) -> str:
+        value = e.get(key)
+        return f"{value * scale:.{digits}f}" if isinstance(value, (int, float)) else "?"
+
+    return (f"step {e.get('step')}: {e.get('decision')} ({e.get('computing_replicas')} of {e.get('full_width')} "
+            f"replicas computing; step {num('step_now_s', 1e3, 0)} ms against {num('step_full_s', 1e3, 0)} ms at "
+            f"full width; degraded until the next failure ({num('horizon_s', 1, 0)} s) costs "
+            f"{num('degraded_cost_s')} s, a relaunch {num('relaunch_s')} s)")
 
 
 def _time_lines(s: Summary) -> list[str]:

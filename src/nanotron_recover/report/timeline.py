@@ -19,6 +19,8 @@ from typing import Any, Iterable, Sequence
 from nanotron_recover.report.records import RunRecords, RunSize
 
 REPAIR_KINDS = ("repair", "repair_without_failure")
+# a launch that ended itself: below min_replicas, on a stop signal, or to come back at full width (regrow)
+STOP_EVENTS = ("stopped", "stop_signal", "regrow_stop")
 MARKED_EVENTS = ("repair", "repair_without_failure", "hang_detected", "spare_activated", "replica_formed",
                  "pool_changed", "stopped")
 
@@ -54,7 +56,7 @@ class Launch:
     last_step: int
     start: float
     end: float  # its last record, step or event
-    stopped: str | None = None  # the reason of its ``stopped`` event (below min_replicas), if it logged one
+    stopped: str | None = None  # the reason of its stop event (STOP_EVENTS), if it logged one
 
     @property
     def resumed_from(self) -> int:
@@ -238,7 +240,7 @@ def _launches(points: Sequence[StepPoint], records: Sequence[dict[str, Any]], la
         mine = [p for p in points if p.launch == k]
         own = [r for r, n in zip(records, launch_of) if n == k]
         times = [t for r in own if (t := event_time(r)) is not None]
-        stopped = next((str(r.get("reason", "")) for r in own if r.get("event") == "stopped"), None)
+        stopped = next((str(r.get("reason", "")) for r in own if r.get("event") in STOP_EVENTS), None)
         out.append(Launch(index=k, first_step=mine[0].step, last_step=mine[-1].step, start=mine[0].start,
                           end=max(times, default=mine[-1].time), stopped=stopped))
     return out

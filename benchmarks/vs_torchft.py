@@ -7,7 +7,10 @@ Systems (R replicas of one process each, TP1; M = R x accumulation microbatches 
 * ``stock``: this project's stock nanotron path (fault tolerance off: nanotron modules + torch DDP under
   ``mpirun``), failure-free only: it separates the cost of the project's model code and launcher from ReCoVer's;
 * ``recover``: ReCoVer through ``nanotron-recover train`` (its defaults: node-local snapshots every step),
-  ``recover+spare``: the same with one spare replica (one more process);
+  ``recover+spare``: the same with one spare replica (one more process); ``recover+regrow``: the same with
+  ``regrow: auto``, relaunched in place by its launcher, and ``standby: after_loss`` (the standby starts when a
+  replica is lost, on what it freed: every core of this machine trains, so a standby started ahead would import
+  torch beside the full-width job);
 * ``torchft``: torchft 0.2.0 as its examples run it: ``torchft_lighthouse`` + one ``torchrun --max_restarts``
   per replica group, ``torchft.Manager`` + its DDP wrapper + its optimizer wrapper on ``ProcessGroupGloo``; a
   killed replica is restarted by its agent and heals from a live peer;
@@ -152,7 +155,7 @@ def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps
                            name=kind)
     ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s),
           "recover+spare": recover_ft(1, relaunch_every_s),
-          "recover+regrow": {**recover_ft(0, relaunch_every_s), "regrow": "auto", "standby": "auto"}}[kind]
+          "recover+regrow": {**recover_ft(0, relaunch_every_s), "regrow": "auto", "standby": "after_loss"}}[kind]
     return run_recover(kind, base_config(args, data, steps, ft), out, faults, bound,
                        relaunch=relaunch_every_s is not None, in_place=kind == "recover+regrow")
 

@@ -123,7 +123,10 @@ class FaultToleranceArgs:
             scheduler's grace (Slurm: ``KillWait``, 30 s).
         standby: ``auto`` (default): while a job trains, the launcher keeps the next one ready beside it (its ranks
             imported and waiting before MPI is initialized), so that an in-place relaunch starts seconds sooner;
-            only where memory allows (:mod:`nanotron_recover.launcher.relauncher`). ``off``: every relaunch is cold.
+            only where memory allows (:mod:`nanotron_recover.launcher.relauncher`). ``after_loss``: the launcher
+            starts it only when a replica is lost, and a regrow waits until it is ready: its start-up then runs on
+            what the lost replica freed instead of beside the full-width job (the better choice where every core
+            trains, as on a CPU-only node). ``off``: every relaunch is cold.
         regrow: ``auto`` (default): after replicas are lost, the job stops at a step boundary (its snapshot written)
             and the launcher relaunches it at full width, when the relaunch costs less than the full-width training
             that staying degraded gives away until the next failure (``relaunch_mtbf_h``); only where the launcher
@@ -348,7 +351,8 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
            f"must be >= 1 second (or null for the default), got {ft.hang_timeout_s}")
     _check(ft.finalize_timeout_s >= 1, "fault_tolerance.finalize_timeout_s",
            f"must be >= 1 second, got {ft.finalize_timeout_s}")
-    _check(ft.standby in ("auto", "off"), "fault_tolerance.standby", f"must be auto or off, got {ft.standby!r}")
+    _check(ft.standby in ("auto", "after_loss", "off"), "fault_tolerance.standby",
+           f"must be auto, after_loss or off, got {ft.standby!r}")
     _check(ft.regrow in ("auto", "off"), "fault_tolerance.regrow", f"must be auto or off, got {ft.regrow!r}")
     _check(ft.stop_grace_s >= 1, "fault_tolerance.stop_grace_s", f"must be >= 1 second, got {ft.stop_grace_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from nanotron_recover.launcher.runs import run_training
-from nanotron_recover.recovery.regrow import SETTLE_STEPS, Regrow
-from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
+from nanotron_recover.recovery.regrow import SETTLE_STEPS, STANDBY_WAIT_S, Regrow
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, STANDBY_READY_ENV
 from nanotron_recover.run.run_folder import read_launches, read_metrics_jsonl
 from tests.conftest import make_tiny_config
 
@@ -70,6 +70,34 @@ def test_back_at_full_width_the_decision_starts_over(in_place):
     assert regrow.degraded_since is None and regrow.after_commit(4, 2, 0.1) is None
 
 
+def test_with_a_standby_started_after_the_loss_regrow_waits_until_a_rank_sees_it_ready(in_place, monkeypatch,
+                                                                                     tmp_path):
+    monkeypatch.setenv(STANDBY_READY_ENV, str(tmp_path / "standby_ready"))
+    regrow = Regrow("auto", full_width=2, mtbf_h=2.0)
+    regrow.after_commit(1, 2, 0.1)
+    said = []
+    for step in range(2, 30):
+        assert regrow.after_commit(step, 1, 0.2, standby_ready=False) is None
+        said += [regrow.news] if regrow.news is not None else []
+    assert [(n["step"], n["decision"], n.get("waiting_for_standby")) for n in said] == [
+        (2 + SETTLE_STEPS, "not yet", True)]  # it pays, but the standby is not ready: said once
+    stop = regrow.after_commit(30, 1, 0.2, standby_ready=True)
+    assert stop is not None and regrow.news["decision"] == "regrow" and "waiting_for_standby" not in regrow.news
+
+
+def test_a_standby_that_never_gets_ready_is_waited_for_a_bounded_time_then_a_cold_relaunch_is_weighed(
+        in_place, monkeypatch, tmp_path):
+    monkeypatch.setenv(STANDBY_READY_ENV, str(tmp_path / "standby_ready"))
+    regrow = Regrow("auto", full_width=2, mtbf_h=2.0)
+    regrow.after_commit(1, 2, 0.1)
+    step_s, stop, step = 0.5, None, 1
+    while stop is None and step < 1000:
+        step += 1
+        stop = regrow.after_commit(step, 1, step_s, startup_s=5.0, standby_ready=False)
+    assert stop is not None and (step - 2) * step_s >= STANDBY_WAIT_S
+    assert regrow.news["relaunch_s"] == 5.0  # the ranks' own (cold) start-up, not the warm relaunch measured
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_lost_replica_comes_back_at_a_step_boundary_with_the_failure_free_losses(tmp_path, monkeypatch):
@@ -94,5 +122,36 @@ def test_a_lost_replica_comes_back_at_a_step_boundary_with_the_failure_free_loss
     widths = {r["step"]: r["live_replicas"] for r in logged}
     assert all(widths[s] == 1 for s in range(kill_at + 1, stopped_at + 1))
     assert all(widths[s] == 2 for s in range(stopped_at + 1, steps + 1)), "back to full width after the stop"
+    for got, want in zip([r["loss"] for r in logged], reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_with_standby_after_loss_the_standby_starts_after_the_loss_and_the_regrow_is_warm(tmp_path):
+    """``standby: after_loss``: no standby while the job trains at full width; after the kill the launcher starts
+    one, the job trains degraded until a rank sees it ready, then stops and is relaunched from it (warm)."""
+    steps, kill_at = 400, 20
+    ft = {"enabled": True, "min_replicas": 1, "local_snapshot_dir": str(tmp_path / "shm"), "standby": "after_loss"}
+    reference = run_training(make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance=ft),
+                             tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
+    inject = [{"step": kill_at, "replica": 1, "rank": 0, "phase": "backward"}]
+    config = make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance={**ft, "inject": inject})
+    run_dir = tmp_path / "run"
+    result = run_training(config, run_dir, timeout_s=300, extra_args=["--synthetic-data", "--max-restarts", "1"])
+    records = read_metrics_jsonl(run_dir)
+    stops = [r for r in records if r.get("event") == "regrow_stop"]
+    assert len(stops) == 1, result.output[-3000:]
+    decisions = [r for r in records if r.get("event") == "regrow"]
+    assert decisions[0]["decision"] == "not yet" and decisions[0].get("waiting_for_standby"), decisions
+    assert decisions[-1]["decision"] == "regrow" and decisions[-1]["step"] == stops[0]["step"], decisions
+    launches = read_launches(run_dir)
+    assert [launch.get("warm") for launch in launches] == [False, True], (launches, result.output[-3000:])
+    assert "waiting for the warm standby" not in result.output  # the job stopped once it was ready
+    logged = [r for r in records if "event" not in r and "step" in r]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1)), "a step computed twice, or one missing"
+    assert all(r["microbatches"] == 4 for r in logged)
+    widths = [r["live_replicas"] for r in logged]
+    assert widths[-1] == 2 and widths.count(1) == stops[0]["step"] - kill_at + 1  # the loss's step too
     for got, want in zip([r["loss"] for r in logged], reference.losses, strict=True):
         assert abs(got - want) <= 1e-5

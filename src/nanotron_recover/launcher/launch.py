@@ -124,8 +124,9 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
     ft = config.fault_tolerance or FaultToleranceArgs()
     grace = ft.stop_grace_s if config.ft_enabled else None
     restarts = args.max_restarts if args.max_restarts is not None else max_restarts_setting()
-    standby = config.ft_enabled and restarts > 0 and ft.standby == "auto" and standby_fits(config.world_size)
-    spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby)
+    standby = config.ft_enabled and restarts > 0 and ft.standby != "off" and standby_fits(config.world_size)
+    spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby,
+                   standby_after_loss=ft.standby == "after_loss", replicas=config.parallelism.dp)
 
     def begin(extra: dict) -> None:
         begin_launch(run_dir, {**launch_record(config, by="nanotron-recover train"), **extra})

@@ -6,7 +6,11 @@ only then, or when a stop signal asked the job to end (the scheduler wants the n
 for the scheduler's requeue. While a job trains, the next one waits beside it as a warm standby
 (:mod:`nanotron_recover.process.standby_rank`): released when the job ends, it skips the launcher's and the
 ranks' start-up (mpirun, interpreters, imports); a standby that is not ready or has died gives way to a cold
-launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allows (:func:`standby_fits`).
+launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allows (:func:`standby_fits`);
+``after_loss`` starts it only once the job logs a step with fewer replicas than it was launched with, then tells
+the job when it is ready (a file in the run folder, :mod:`nanotron_recover.run.in_place`), which a regrow waits
+for. A job that ends while its standby is still importing waits for it (bounded): it has a head start on a cold
+launch.
 """
 
 from __future__ import annotations
@@ -25,14 +29,21 @@ from nanotron_recover.launcher.mpirun_job import MpirunJob
 from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
-from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, metrics_path, read_launches, read_metrics_jsonl
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, STANDBY_READY_ENV
+from nanotron_recover.run.run_folder import (
+    LAUNCH_TOKEN_ENV,
+    metrics_path,
+    read_launches,
+    read_metrics_jsonl,
+    standby_ready_path,
+)
 
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
 DEFAULT_MAX_RESTARTS = 3
 TAIL_BYTES = 65536
 STANDBY_STARTS = 3  # standbys started per launch at most (one whose mpirun ended while it waited is replaced)
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
+STANDBY_WAIT_S = 60.0  # a job ended while its standby was importing: how long the launch waits for it
 
 
 @dataclass
@@ -47,6 +58,8 @@ class JobSpec:
     stop_grace_s: float | None  # None: the stock path (no graceful stop, no standby)
     max_restarts: int
     standby: bool
+    standby_after_loss: bool = False  # start the standby once a replica is lost, not as soon as the job trains
+    replicas: int = 0  # the job's data-parallel replicas (a step with fewer ran degraded)
 
 
 def max_restarts_setting() -> int:
@@ -139,7 +152,8 @@ class Relauncher:
         self.spec, self.judge, self.begin, self.launch_cold = spec, judge, begin, launch_cold
         self.stop = LauncherStop(None, spec.stop_grace_s, say=say)
         self.standby: Standby | None = None
-        self._metrics_size = 0
+        self._metrics_offset = 0  # metrics.jsonl read up to here during this launch
+        self._job_trained = self._job_degraded = False  # seen since this launch started
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
         self._standby_starts = 0  # standbys started during the running launch
         self.restarts = 0
@@ -163,6 +177,8 @@ class Relauncher:
         standby, self.standby = self.standby, None
         self._mark_start()
         record = {"previous_job_ended": self._previous_ended}
+        if standby is not None and not standby.ready():
+            self._wait_for(standby)
         if standby is not None and standby.ready():
             self.begin({**record, "warm": True})
             job = standby.release()
@@ -178,25 +194,44 @@ class Relauncher:
         self._previous_ended = time.time()
         return self.judge(rc)
 
+    def _wait_for(self, standby: Standby) -> None:
+        """The job ended while its standby was still importing: wait for it (bounded), as a cold launch would
+        import the same from the start."""
+        if standby.job.proc.poll() is not None or self.stop.requested:
+            return
+        say(f"waiting for the warm standby ({standby.why_not()})")
+        deadline = time.monotonic() + STANDBY_WAIT_S
+        while not standby.ready() and standby.job.proc.poll() is None and not self.stop.requested \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def _mark_start(self) -> None:
         self._standby_starts = 0
+        self._job_trained = self._job_degraded = False
+        standby_ready_path(self.spec.run_dir).unlink(missing_ok=True)
         path = metrics_path(self.spec.run_dir)
-        self._metrics_size = path.stat().st_size if path.exists() else 0
+        self._metrics_offset = path.stat().st_size if path.exists() else 0
 
     def _tick(self) -> None:
-        """While a job runs: start the standby once the job has logged something (its start-up, which the
-        standby's would slow down, is over). A standby whose ``mpirun`` ended while it waited is replaced, up to
-        :data:`STANDBY_STARTS` per launch (seen on Slurm: the standby's daemon step failed to start, exit 213)."""
+        """While a job runs: start the standby once the job has logged a step (its start-up, which the standby's
+        would slow down, is over), or with ``after_loss`` a step with fewer replicas; tell the job when that one
+        is ready. A standby whose ``mpirun`` ended while it waited is replaced, up to :data:`STANDBY_STARTS` per
+        launch (seen on Slurm: the standby's daemon step failed to start, exit 213)."""
         if not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
             return
         if self.standby is not None:
             if self.standby.job.proc.poll() is None:
+                ready = standby_ready_path(self.spec.run_dir)
+                if self.spec.standby_after_loss and not ready.exists() and self.standby.ready():
+                    ready.touch()
                 return
             say(f"the warm standby ended while waiting ({self.standby.why_not()})"
                 + ("; starting another" if self._standby_starts < STANDBY_STARTS else "; no other this launch"))
             self.standby.cancel()
             self.standby = None
-        if self._standby_starts < STANDBY_STARTS and self._job_trains():
+        self._read_new_steps()
+        wanted = self._job_degraded if self.spec.standby_after_loss else self._job_trained
+        if self._standby_starts < STANDBY_STARTS and wanted:
             self._standby_starts += 1
             self.standby = Standby(self.spec, self._command(self.restarts + 1))
 
@@ -209,25 +244,29 @@ class Relauncher:
         relaunch_s = measured_relaunch_s(self.spec.run_dir)
         if relaunch_s is not None:  # else the ranks weigh their own start-up
             env[RELAUNCH_S_ENV] = f"{relaunch_s:.3f}"
+        if self.spec.standby and self.spec.standby_after_loss:
+            env[STANDBY_READY_ENV] = str(standby_ready_path(self.spec.run_dir))
         return with_env(with_launch_token(self.spec.cmd, secrets.token_hex(4)), env)
 
-    def _job_trains(self) -> bool:
-        """The job has logged a step since this launch (read from the end of ``metrics.jsonl`` only)."""
+    def _read_new_steps(self) -> None:
+        """Read the step records this launch appended to ``metrics.jsonl`` since the last tick (whole lines)."""
+        if self._job_degraded or (self._job_trained and not self.spec.standby_after_loss):
+            return  # nothing more to learn
         path = metrics_path(self.spec.run_dir)
         try:
-            size = path.stat().st_size
-            if size <= self._metrics_size:
-                return False
             with path.open("rb") as f:
-                f.seek(max(self._metrics_size, size - TAIL_BYTES))
-                lines = f.read().splitlines()[1:]  # the first may be cut
+                f.seek(self._metrics_offset)
+                data = f.read(TAIL_BYTES)
         except OSError:
-            return False
-        for line in lines:
+            return
+        end = data.rfind(b"\n") + 1
+        self._metrics_offset += end
+        for line in data[:end].splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
             if isinstance(record, dict) and "event" not in record and "step" in record:
-                return True
-        return False
+                self._job_trained = True
+                live = record.get("live_replicas")
+                self._job_degraded |= isinstance(live, int) and live < self.spec.replicas

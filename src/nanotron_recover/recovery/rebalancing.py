@@ -12,7 +12,9 @@ One entry counts the ranks whose reduced gradient holds a NaN or an infinity; wi
 when any microbatch's loss was) it tells every rank, spares included, in the same step that the step must not be
 committed (:meth:`StepStats.nonfinite`). The entry before it counts the ranks that received a stop signal
 (:mod:`nanotron_recover.process.stop_request`): the step it is seen in is the job's last
-(:meth:`StepStats.stop_at`).
+(:meth:`StepStats.stop_at`). Before it: the ranks' start-up of this launch, and how many ranks saw the launcher
+say that the standby it started after a loss is ready (:mod:`nanotron_recover.run.in_place`), which regrow waits
+for.
 
 Its last four entries feed the snapshot schedule (:mod:`nanotron_recover.snapshots.schedule`): each rank's
 cost of its last measured snapshot write and its last step time, in whole microseconds (integers: many
@@ -30,6 +32,7 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import STOP, stop_reason
 from nanotron_recover.recovery.errors import StragglerEvicted
+from nanotron_recover.run.in_place import standby_ready
 from nanotron_recover.training.seam import LocalWork, StepStop
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -39,7 +42,8 @@ SNAPSHOT_ENTRIES = 4  # the last ones: snapshot write cost, writers, step time, 
 NONFINITE_GRADS = -(SNAPSHOT_ENTRIES + 1)  # just before them: how many ranks hold a non-finite reduced gradient
 STOP_REQUESTS = NONFINITE_GRADS - 1  # and before that: how many ranks were asked to stop (a signal)
 STARTUP_US, STARTUP_RANKS = STOP_REQUESTS - 2, STOP_REQUESTS - 1  # the ranks' start-up seconds (µs), how many
-TAIL_ENTRIES = -STARTUP_US  # the entries after the slots' speeds
+STANDBY_READY = STARTUP_US - 1  # how many ranks saw the launcher say that the standby after a loss is ready
+TAIL_ENTRIES = -STANDBY_READY  # the entries after the slots' speeds
 
 
 def settings_of(config: RecoverConfig) -> RebalanceSettings:
@@ -85,6 +89,7 @@ class StepStats:
         self.stats[STOP_REQUESTS] = 1.0 if (STOP.requested if stop is None else stop) else 0.0
         if STARTUP.seconds is not None:
             self.stats[STARTUP_US], self.stats[STARTUP_RANKS] = round(STARTUP.seconds * 1e6), 1.0
+        self.stats[STANDBY_READY] = 1.0 if standby_ready() else 0.0
         self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
         if counts and slot is not None:
             self.stats[2 + slot] = work.compute_s
@@ -109,6 +114,10 @@ class StepStats:
         """The ranks' mean start-up of this launch (agreed), once measured."""
         ranks = float(self.stats[STARTUP_RANKS])
         return float(self.stats[STARTUP_US]) / ranks / 1e6 if ranks else None
+
+    def standby_ready(self) -> bool:
+        """A rank saw the standby after a loss ready (the same answer on every rank)."""
+        return bool(self.stats[STANDBY_READY])
 
     def stop_at(self, step: int) -> StepStop | None:
         """Why the committed ``step`` is the job's last, when a rank was asked to stop (the same on every rank)."""

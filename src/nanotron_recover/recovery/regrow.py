@@ -13,6 +13,11 @@ are the same on every rank (the agreed mean step time now and at full width befo
 the launcher's numbers), so every rank reaches the same decision in the same step, with no extra message.
 Decisions are logged as ``regrow`` events (each change of verdict, and every :data:`SAY_EVERY_STEPS` steps while
 degraded).
+
+Where the launcher starts the standby only after a loss (``fault_tolerance.standby: after_loss``: its start-up then
+runs on what the lost replica freed, not beside a full-width job), a regrow waits until a rank sees it ready (the
+step's sums carry that, so every rank stops in the same step), then weighs the warm relaunch; after
+:data:`STANDBY_WAIT_S` of degraded steps without it, it weighs a cold one (the ranks' own start-up).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, standby_follows_loss
 from nanotron_recover.sim.regrow import decide
 from nanotron_recover.training.seam import StepStop
 
 SETTLE_STEPS = 2  # steps after a loss before its step time counts (the loss's own step includes the repair)
 SAY_EVERY_STEPS = 100
+STANDBY_WAIT_S = 60.0  # degraded steps' seconds a regrow waits for the standby started after the loss
 
 
 class Regrow:
@@ -36,6 +42,7 @@ class Regrow:
         self.enabled = setting == "auto" and restarts.isdigit() and int(restarts) > 0
         self.measured_relaunch_s = float(relaunch_s) if relaunch_s else None  # the launcher's, once it has one
         self.full_width, self.horizon_s = full_width, mtbf_h * 3600.0
+        self.standby_follows = standby_follows_loss()  # a standby starts after a loss: wait until it is ready
         self.step_full_s: float | None = None
         self.degraded_since: int | None = None
         self._verdict: bool | None = None
@@ -47,9 +54,9 @@ class Regrow:
         return cls(ft.regrow, config.parallelism.dp, ft.relaunch_mtbf_h)
 
     def after_commit(self, step: int, computing: int, step_s: float | None,
-                     startup_s: float | None = None) -> StepStop | None:
-        """A committed step with ``computing`` replicas, the agreed mean step time and the ranks' agreed mean
-        start-up of this launch: stop here to regrow?"""
+                     startup_s: float | None = None, standby_ready: bool = False) -> StepStop | None:
+        """A committed step with ``computing`` replicas, the agreed mean step time, the ranks' agreed mean
+        start-up of this launch, and whether a rank saw the standby after the loss ready: stop here to regrow?"""
         self.news = None
         if not self.enabled or step_s is None:
             return None
@@ -61,14 +68,19 @@ class Regrow:
         relaunch_s = self.measured_relaunch_s if self.measured_relaunch_s is not None else startup_s
         if self.step_full_s is None or step - self.degraded_since < SETTLE_STEPS or relaunch_s is None:
             return None
+        waiting = self.standby_follows and not standby_ready
+        if waiting and (step - self.degraded_since) * step_s >= STANDBY_WAIT_S:
+            waiting, relaunch_s = False, startup_s if startup_s is not None else relaunch_s  # a cold relaunch
         decision = decide(step_s, self.step_full_s, relaunch_s, self.horizon_s)
-        if decision.regrow != self._verdict or (step - self.degraded_since) % SAY_EVERY_STEPS == 0:
-            self.news = {"event": "regrow", "step": step, "decision": "regrow" if decision.regrow else "not yet",
+        regrow = decision.regrow and not waiting
+        if regrow != self._verdict or (step - self.degraded_since) % SAY_EVERY_STEPS == 0:
+            self.news = {"event": "regrow", "step": step, "decision": "regrow" if regrow else "not yet",
                          "computing_replicas": computing, "full_width": self.full_width,
                          "step_now_s": step_s, "step_full_s": self.step_full_s, "relaunch_s": relaunch_s,
-                         "horizon_s": self.horizon_s, "degraded_cost_s": decision.degraded_cost_s}
-        self._verdict = decision.regrow
-        if not decision.regrow:
+                         "horizon_s": self.horizon_s, "degraded_cost_s": decision.degraded_cost_s,
+                         **({"waiting_for_standby": True} if waiting else {})}
+        self._verdict = regrow
+        if not regrow:
             return None
         return StepStop("regrow_stop", f"regrow: back to {self.full_width} replicas after step {step} "
                                        f"({decision.describe()}); a relaunch resumes at step {step + 1}")

@@ -182,8 +182,9 @@ class ResilientDataParallel(DataParallelStrategy):
         self.holders = set(plan)  # the replicas that computed and committed this step, still alive
         stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
         # the job's last step: a rank got a stop signal, or coming back to full width through a relaunch pays
-        stop = self.step_stats.stop_at(step) or self.regrow.after_commit(
-            step, len(plan), self.snapshot_schedule.step_s, self.step_stats.startup_s())
+        sums = self.step_stats
+        stop = sums.stop_at(step) or self.regrow.after_commit(
+            step, len(plan), self.snapshot_schedule.step_s, sums.startup_s(), sums.standby_ready())
         self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
         committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:

@@ -1,8 +1,26 @@
 """What the launcher tells the ranks of a job about relaunching it in place (environment variables, set per launch).
 
 The ranks decide a regrow from them (:mod:`nanotron_recover.recovery.regrow`): it needs a relaunch in place left,
-and weighs what one costs.
+and weighs what one costs. Where the warm standby starts only once a replica is lost (``fault_tolerance.standby:
+after_loss``), the launcher also names a file it creates when that standby is ready; the ranks wait for it before
+they stop to regrow, so that the relaunch is warm.
 """
+
+from __future__ import annotations
+
+import os
 
 IN_PLACE_ENV = "NANOTRON_RECOVER_IN_PLACE_RESTARTS"  # relaunches in place the launcher has left after this job
 RELAUNCH_S_ENV = "NANOTRON_RECOVER_RELAUNCH_S"  # what the launcher expects one to cost, in seconds
+STANDBY_READY_ENV = "NANOTRON_RECOVER_STANDBY_READY"  # the file that says the standby after a loss is ready
+
+
+def standby_follows_loss() -> bool:
+    """The launcher starts a standby when a replica of this job is lost (and says when it is ready)."""
+    return bool(os.environ.get(STANDBY_READY_ENV))
+
+
+def standby_ready() -> bool:
+    """That standby is ready now (this rank's view; the step's sums make it every rank's)."""
+    path = os.environ.get(STANDBY_READY_ENV)
+    return bool(path) and os.path.exists(path)

@@ -248,6 +248,13 @@ def begin_launch(run_dir: Path, record: dict[str, Any]) -> int:
     return number
 
 
+STANDBY_READY_FILE = "standby_ready"  # the launcher's word to the job: the standby after a loss is ready
+
+
+def standby_ready_path(run_dir: Path) -> Path:
+    return Path(run_dir) / STANDBY_READY_FILE
+
+
 def read_launches(run_dir: Path) -> list[dict[str, Any]]:
     """The launch records of the run, oldest first (a torn line is skipped)."""
     return [r for r in read_metrics_jsonl(Path(run_dir) / LAUNCHES_FILE) if "launch" in r]

@@ -98,11 +98,10 @@ def test_a_standby_that_never_gets_ready_is_waited_for_a_bounded_time_then_a_col
     assert regrow.news["relaunch_s"] == 5.0  # the ranks' own (cold) start-up, not the warm relaunch measured
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_lost_replica_comes_back_at_a_step_boundary_with_the_failure_free_losses(tmp_path, monkeypatch):
-    steps, kill_at = 120, 20
-    ft = {"enabled": True, "min_replicas": 1, "local_snapshot_dir": str(tmp_path / "shm"), "standby": "off"}
+def _kill_with_regrow(tmp_path, steps: int, kill_at: int, standby: str):
+    """A failure-free reference, then the same job with replica 1 SIGKILLed at ``kill_at`` and one relaunch in
+    place allowed: (reference, the launcher's result, run dir, metrics records, step records, regrow stops)."""
+    ft = {"enabled": True, "min_replicas": 1, "local_snapshot_dir": str(tmp_path / "shm"), "standby": standby}
     reference = run_training(make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance=ft),
                              tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
     inject = [{"step": kill_at, "replica": 1, "rank": 0, "phase": "backward"}]
@@ -112,18 +111,30 @@ def test_a_lost_replica_comes_back_at_a_step_boundary_with_the_failure_free_loss
     records = read_metrics_jsonl(run_dir)
     stops = [r for r in records if r.get("event") == "regrow_stop"]
     assert len(stops) == 1, result.output[-3000:]
+    logged = [r for r in records if "event" not in r and "step" in r]
+    return reference, result, run_dir, records, logged, stops
+
+
+def _assert_the_failure_free_steps(logged, reference, steps: int) -> None:
+    assert [r["step"] for r in logged] == list(range(1, steps + 1)), "a step computed twice, or one missing"
+    assert all(r["microbatches"] == 4 for r in logged)  # M every step, degraded or not
+    for got, want in zip([r["loss"] for r in logged], reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lost_replica_comes_back_at_a_step_boundary_with_the_failure_free_losses(tmp_path):
+    steps, kill_at = 120, 20
+    reference, result, run_dir, records, logged, stops = _kill_with_regrow(tmp_path, steps, kill_at, "off")
     stopped_at = stops[0]["step"]
     assert kill_at + SETTLE_STEPS <= stopped_at <= kill_at + SETTLE_STEPS + 3  # a few steps after the loss
     assert [r["decision"] for r in records if r.get("event") == "regrow"][-1] == "regrow"
     assert len(read_launches(run_dir)) == 2
-    logged = [r for r in records if "event" not in r and "step" in r]
-    assert [r["step"] for r in logged] == list(range(1, steps + 1)), "a step computed twice, or one missing"
-    assert all(r["microbatches"] == 4 for r in logged)  # M every step, degraded or not
+    _assert_the_failure_free_steps(logged, reference, steps)
     widths = {r["step"]: r["live_replicas"] for r in logged}
     assert all(widths[s] == 1 for s in range(kill_at + 1, stopped_at + 1))
     assert all(widths[s] == 2 for s in range(stopped_at + 1, steps + 1)), "back to full width after the stop"
-    for got, want in zip([r["loss"] for r in logged], reference.losses, strict=True):
-        assert abs(got - want) <= 1e-5
 
 
 @pytest.mark.slow
@@ -132,26 +143,13 @@ def test_with_standby_after_loss_the_standby_starts_after_the_loss_and_the_regro
     """``standby: after_loss``: no standby while the job trains at full width; after the kill the launcher starts
     one, the job trains degraded until a rank sees it ready, then stops and is relaunched from it (warm)."""
     steps, kill_at = 400, 20
-    ft = {"enabled": True, "min_replicas": 1, "local_snapshot_dir": str(tmp_path / "shm"), "standby": "after_loss"}
-    reference = run_training(make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance=ft),
-                             tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
-    inject = [{"step": kill_at, "replica": 1, "rank": 0, "phase": "backward"}]
-    config = make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2, fault_tolerance={**ft, "inject": inject})
-    run_dir = tmp_path / "run"
-    result = run_training(config, run_dir, timeout_s=300, extra_args=["--synthetic-data", "--max-restarts", "1"])
-    records = read_metrics_jsonl(run_dir)
-    stops = [r for r in records if r.get("event") == "regrow_stop"]
-    assert len(stops) == 1, result.output[-3000:]
+    reference, result, run_dir, records, logged, stops = _kill_with_regrow(tmp_path, steps, kill_at, "after_loss")
     decisions = [r for r in records if r.get("event") == "regrow"]
     assert decisions[0]["decision"] == "not yet" and decisions[0].get("waiting_for_standby"), decisions
     assert decisions[-1]["decision"] == "regrow" and decisions[-1]["step"] == stops[0]["step"], decisions
     launches = read_launches(run_dir)
     assert [launch.get("warm") for launch in launches] == [False, True], (launches, result.output[-3000:])
     assert "waiting for the warm standby" not in result.output  # the job stopped once it was ready
-    logged = [r for r in records if "event" not in r and "step" in r]
-    assert [r["step"] for r in logged] == list(range(1, steps + 1)), "a step computed twice, or one missing"
-    assert all(r["microbatches"] == 4 for r in logged)
+    _assert_the_failure_free_steps(logged, reference, steps)
     widths = [r["live_replicas"] for r in logged]
     assert widths[-1] == 2 and widths.count(1) == stops[0]["step"] - kill_at + 1  # the loss's step too
-    for got, want in zip([r["loss"] for r in logged], reference.losses, strict=True):
-        assert abs(got - want) <= 1e-5

@@ -40,7 +40,7 @@ from nanotron_recover.run.run_folder import (
 
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
 DEFAULT_MAX_RESTARTS = 3
-TAIL_BYTES = 65536
+READ_BYTES = 65536  # of metrics.jsonl, read at most per tick
 STANDBY_STARTS = 3  # standbys started per launch at most (one whose mpirun ended while it waited is replaced)
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
 STANDBY_WAIT_S = 60.0  # a job ended while its standby was importing: how long the launch waits for it
@@ -256,7 +256,7 @@ class Relauncher:
         try:
             with path.open("rb") as f:
                 f.seek(self._metrics_offset)
-                data = f.read(TAIL_BYTES)
+                data = f.read(READ_BYTES)
         except OSError:
             return
         end = data.rfind(b"\n") + 1

@@ -30,8 +30,8 @@ LOST_RECOVERY = "rest of the recovery in failure steps"
 LOST_REPLAYED = "steps replayed after a relaunch"
 LOST_BETWEEN = "between steps (checkpoint saves, ...)"
 LOST_LAUNCH_END = "end of a launch (step in flight, stop, checkpoint)"
-REGROW_LINES = 12  # regrow decisions printed one per line; the rest are counted
 LOST_RELAUNCH = "relaunch (next start-up, requeue wait)"
+REGROW_LINES = 12  # regrow decisions printed one per line; the rest are counted
 
 
 @dataclass

@@ -14,6 +14,8 @@
 # Ports: CLUSTER_CTLD_PORT / CLUSTER_SLURMD_PORT (one node), else free ports are picked (one per slurmd).
 # Several nodes on one machine: their jobs' processes all run here; a multi-node `mpirun` inside the allocation
 # starts one prted per node through srun, as on a real cluster.
+# SlurmdTimeout (CLUSTER_SLURMD_TIMEOUT, default 30 s; Slurm's default 300 s): how long a node whose slurmd is gone
+# stays in its jobs' allocations before slurmctld marks it down.
 # cred_expire (CLUSTER_CRED_EXPIRE, default 5 s; Slurm default 120 s) is also how long a requeued job waits
 # before it may start again.
 # Clients need SLURM_CONF=<scratch_dir>/slurm.conf (see `env`).
@@ -90,7 +92,7 @@ KillWait=5
 MinJobAge=600
 InactiveLimit=0
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout=${CLUSTER_SLURMD_TIMEOUT:-30}
 $node_lines
 PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF

@@ -12,7 +12,7 @@ import pytest
 
 from nanotron_recover.launcher.runs import run_training
 from nanotron_recover.recovery.regrow import SETTLE_STEPS, STANDBY_WAIT_S, Regrow
-from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, STANDBY_READY_ENV
+from nanotron_recover.run.in_place import FULL_REPLICAS_ENV, IN_PLACE_ENV, RELAUNCH_S_ENV, STANDBY_READY_ENV
 from nanotron_recover.run.run_folder import read_launches, read_metrics_jsonl
 from tests.conftest import make_tiny_config
 
@@ -52,6 +52,27 @@ def test_before_a_relaunch_was_measured_the_ranks_start_up_stands_for_its_cost(m
     assert all(regrow.after_commit(s, 1, 0.2, startup_s=None) is None for s in range(2, 10))  # nothing to weigh
     stop = regrow.after_commit(10, 1, 0.2, startup_s=4.0)
     assert stop is not None and regrow.news["relaunch_s"] == 4.0
+
+
+def test_a_launch_run_narrower_regrows_once_its_missing_node_is_back(in_place, monkeypatch):
+    monkeypatch.setenv(FULL_REPLICAS_ENV, "2")  # the launcher left a node out: 1 replica of the job's 2
+    regrow = Regrow("auto", full_width=1, mtbf_h=2.0)
+    assert all(regrow.after_commit(s, 1, 0.2) is None for s in range(1, 20))  # at this launch's full width
+    assert regrow.news is None
+    decisions = [regrow.after_commit(s, 1, 0.2, nodes_back=True) for s in range(20, 20 + SETTLE_STEPS + 1)]
+    assert decisions[:-1] == [None] * SETTLE_STEPS and decisions[-1] is not None
+    assert "back to 2 replicas" in decisions[-1].reason
+    news = regrow.news
+    assert news["nodes_back"] and news["full_width"] == 2 and news["step_full_s"] == pytest.approx(0.1)  # estimated
+
+
+def test_a_node_back_does_not_wait_for_a_standby_shaped_for_the_narrower_job(in_place, monkeypatch):
+    monkeypatch.setenv(FULL_REPLICAS_ENV, "2")
+    monkeypatch.setenv(STANDBY_READY_ENV, "/nonexistent/standby_ready")
+    regrow = Regrow("auto", full_width=1, mtbf_h=2.0)
+    regrow.after_commit(1, 1, 0.2)
+    stops = [regrow.after_commit(s, 1, 0.2, nodes_back=True) for s in range(2, 3 + SETTLE_STEPS)]
+    assert stops[-1] is not None and "waiting_for_standby" not in regrow.news
 
 
 def test_regrow_is_off_without_a_relaunch_in_place_or_when_set_off(monkeypatch):

@@ -9,6 +9,11 @@ With relaunches in place allowed (the default), the launcher's warm standby is a
 (its daemons started with ``srun --overlap``); the job's own daemon on node 2 lost (the standby's lives on): the
 launcher relaunches in place from the standby, no requeue, the same losses.
 
+Node 2 really lost (its ``slurmd`` too, every process of it SIGKILLed): the launcher's probe step there fails, it
+relaunches on node 1 alone with 1 replica (the same global batch); once node 2's ``slurmd`` is started again, the
+launcher hears it answer, the job regrows at a step boundary and finishes at full width on both nodes, in the same
+Slurm job, with the failure-free losses.
+
 Hard timeouts on every wait (job polling, the kill watcher, ``run_training``); needs root and Debian's Slurm.
 """
 
@@ -40,7 +45,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
     scratch = Path(tempfile.mkdtemp(prefix="recover-slurm2-", dir="/tmp"))
-    env = {**os.environ, "CLUSTER_NODES": "2"}
+    # a node whose slurmd is gone stays in the allocation for 120 s (Slurm's default: 300 s), long enough for the
+    # lost-node test to bring it back before slurmctld marks it down
+    env = {**os.environ, "CLUSTER_NODES": "2", "CLUSTER_SLURMD_TIMEOUT": "120"}
     try:
         subprocess.run(["bash", str(CLUSTER), "up", str(scratch)], check=True, timeout=60, env=env)
         yield Cluster(scratch)
@@ -174,4 +181,74 @@ def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a
     assert records[-1]["step"] == steps
     want = {s["step"]: s["loss"] for s in reference.steps}
     for r in records:  # replays included
+        assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])
+
+
+def _node_processes(node: str) -> list[int]:
+    """Every process of a "node" of the test cluster: its slurmd, and each job step's slurmstepd with the
+    processes it started there (``SLURMD_NODENAME=node`` in their environment)."""
+    pids = {int(p) for p in os.listdir("/proc") if p.isdigit() and _environ(int(p)).get(b"SLURMD_NODENAME")
+            == node.encode()}
+    for pid in list(pids):
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if _comm(parent) == "slurmstepd":
+            pids.add(parent)
+    return sorted({p for pid in pids for p in process_tree(pid)})
+
+
+@needs_slurm
+@pytest.mark.timeout(600)
+def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_once_it_is_back(two_nodes, tmp_path):
+    steps = 500  # long enough for the narrower launch to hear node 2 back and regrow
+    config = make_tiny_config(dp=2, tp=2, steps=steps, accumulation=2, layers=2, checkpoint_interval=100,
+                              fault_tolerance={"enabled": True, "local_snapshot_interval": 1, "min_replicas": 1})
+    config_path = write_config(config, tmp_path / "config.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2", IN_PLACE_RESTARTS="3",
+                   NANOTRON_RECOVER_NODE_PROBE_S="5",
+                   MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo --mca mpi_yield_when_idle 1")
+    job = two_nodes.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and not (read_metrics(run_dir)[0] and read_metrics(run_dir)[0][-1]["step"] >= 3):
+        time.sleep(0.05)
+    slurmd = int((two_nodes.scratch / "run" / "slurmd-n2.pid").read_text())
+    node = [slurmd, *_node_processes("n2")]
+    assert slurm_node_daemons("n2"), node
+    kill_processes(dict.fromkeys(node))  # node 2 is gone: its slurmd, its job steps, its daemons and ranks
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not [r for r in read_launches(run_dir) if r.get("nodes_out")]:
+        time.sleep(0.1)
+    narrower = [r for r in read_launches(run_dir) if r.get("nodes_out")]
+    assert narrower and narrower[0]["nodes_out"] == ["n2"] and narrower[0]["replicas"] == 1, read_launches(run_dir)
+    subprocess.run(["slurmd", "-f", str(two_nodes.scratch / "slurm.conf"), "-N", "n2"], env=two_nodes.env,
+                   check=True, timeout=60)  # node 2 is back, still in the allocation
+
+    info = two_nodes.wait(job, timeout_s=360)
+    output = log.read_text(errors="replace") if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
+    assert info["Restarts"] == "0" and "requeueing" not in output, (info, output[-4000:])
+    assert "n2 did not run a job step" in output and "n2 answer again" in output, output[-4000:]
+    # full width, node 2 out, full width again (and on this loaded 2-core machine maybe more relaunches at full
+    # width: a rank stalled past the hang timeout is evicted in-step, and the job regrows again)
+    shapes = [(r["replicas"], r["nodes_out"]) for r in read_launches(run_dir)]
+    assert shapes[:3] == [(2, []), (1, ["n2"]), (2, [])] and all(s == (2, []) for s in shapes[3:]), shapes
+    lines = read_metrics_jsonl(run_dir)
+    back = [r for r in lines if r.get("event") == "regrow" and r.get("nodes_back") and r["decision"] == "regrow"]
+    stops = [r for r in lines if r.get("event") == "regrow_stop"]
+    assert back and stops and back[0]["step"] == stops[0]["step"], output[-4000:]  # node 2 back: the narrower job
+    records = [r for r in lines if "event" not in r and "step" in r]
+    logged = [r["step"] for r in records]
+    assert sorted(set(logged)) == list(range(1, steps + 1)) and len(logged) - steps <= 2, logged  # replays: the loss
+    for stop in stops:  # no step computed twice at a regrow
+        assert logged.count(stop["step"]) == 1 and logged.count(stop["step"] + 1) == 1, (stop, logged)
+    assert all(r["microbatches"] == 4 for r in records)  # M every step, narrower or not
+    widths = {r["step"]: r["live_replicas"] for r in records}
+    assert widths[stops[0]["step"]] == 1 and widths[steps] == 2
+    reference = run_training(config, tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
+    want = {s["step"]: s["loss"] for s in reference.steps}
+    for r in records:
         assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])

@@ -34,6 +34,7 @@ from nanotron_recover.run.run_folder import (
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
+    from nanotron_recover.launcher.node_fit import NodeFit
     from nanotron_recover.launcher.relauncher import Relauncher
     from nanotron_recover.process.stop_request import LauncherStop
 
@@ -126,7 +127,8 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
     restarts = args.max_restarts if args.max_restarts is not None else max_restarts_setting()
     standby = config.ft_enabled and restarts > 0 and ft.standby != "off" and standby_fits(config.world_size)
     spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby,
-                   standby_after_loss=ft.standby == "after_loss", replicas=config.parallelism.dp)
+                   standby_after_loss=ft.standby == "after_loss", replicas=config.parallelism.dp,
+                   nodes=_node_fit(args, cmd, config, run_dir) if restarts > 0 else None)
 
     def begin(extra: dict) -> None:
         begin_launch(run_dir, {**launch_record(config, by="nanotron-recover train"), **extra})
@@ -137,6 +139,29 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
 
     return Relauncher(spec, judge=lambda rc: _judge(run_dir, config, rc, args.max_startup_failures), begin=begin,
                       launch_cold=cold)
+
+
+def _node_fit(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig", run_dir: Path) -> "NodeFit | None":
+    """In a Slurm allocation of several nodes (and no hostfile of the user's): relaunches fitted to the nodes
+    that answer (:mod:`nanotron_recover.launcher.node_fit`)."""
+    from nanotron_recover.launcher.node_fit import NodeFit
+    from nanotron_recover.launcher.slurm_nodes import Allocation
+
+    allocation = Allocation.from_environment()
+    if not config.ft_enabled or allocation is None or os.environ.get(HOSTFILE_ENV):
+        return None
+    # every launch's daemons start as a job step that shares the allocation's CPUs (srun --overlap): the step of a
+    # job whose node was lost stays behind until Slurm gives up on that node, and a relaunch's step would wait for
+    # it (seen on the test cluster: the relaunch on the remaining node hung in srun)
+    os.environ["SLURM_OVERLAP"] = "1"
+
+    def reshape(replicas: int, hosts: str) -> list[str]:
+        narrow = argparse.Namespace(**{**vars(args), "replicas": replicas, "run_dir": str(run_dir)})
+        line = train_command(narrow)[0]
+        return [line[0], "--host", hosts, *line[1:]]
+
+    return NodeFit(allocation, config.ranks_per_replica, config.parallelism.dp, config.spare_replicas,
+                   config.microbatches_per_step, config.fault_tolerance.min_replicas, cmd, reshape)
 
 
 def launch_record(config: "RecoverConfig", by: str) -> dict:

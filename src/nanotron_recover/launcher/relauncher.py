@@ -11,6 +11,10 @@ launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allow
 the job when it is ready (a file in the run folder, :mod:`nanotron_recover.run.in_place`), which a regrow waits
 for. A job that ends while its standby is still importing waits for it (bounded): it has a head start on a cold
 launch.
+
+In a Slurm allocation of several nodes, each relaunch first asks the nodes whether they answer
+(:mod:`nanotron_recover.launcher.node_fit`): a relaunch after a node was lost runs on the others at the width
+that fits, and comes back to full width once the node answers again (the job regrows at a step boundary).
 """
 
 from __future__ import annotations
@@ -26,13 +30,21 @@ from pathlib import Path
 from typing import Callable
 
 from nanotron_recover.launcher.mpirun_job import MpirunJob
+from nanotron_recover.launcher.node_fit import NodeFit
 from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, STANDBY_READY_ENV
+from nanotron_recover.run.in_place import (
+    FULL_REPLICAS_ENV,
+    IN_PLACE_ENV,
+    NODES_BACK_ENV,
+    RELAUNCH_S_ENV,
+    STANDBY_READY_ENV,
+)
 from nanotron_recover.run.run_folder import (
     LAUNCH_TOKEN_ENV,
     metrics_path,
+    nodes_back_path,
     read_launches,
     read_metrics_jsonl,
     standby_ready_path,
@@ -60,6 +72,7 @@ class JobSpec:
     standby: bool
     standby_after_loss: bool = False  # start the standby once a replica is lost, not as soon as the job trains
     replicas: int = 0  # the job's data-parallel replicas (a step with fewer ran degraded)
+    nodes: NodeFit | None = None  # in a Slurm allocation of several nodes: relaunches fit the nodes that answer
 
 
 def max_restarts_setting() -> int:
@@ -108,9 +121,10 @@ def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool
 class Standby:
     """The next job, started now with the same launch line, waiting before MPI is initialized."""
 
-    def __init__(self, spec: JobSpec, cmd: list[str]) -> None:
+    def __init__(self, spec: JobSpec, cmd: list[str], nodes_out: tuple[str, ...] = ()) -> None:
         import os
 
+        self.nodes_out = nodes_out  # the nodes its launch line leaves out
         self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
         self.world_size = spec.world_size
         env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
@@ -157,6 +171,7 @@ class Relauncher:
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
         self._standby_starts = 0  # standbys started during the running launch
         self.restarts = 0
+        self.cmd, self.replicas = spec.cmd, spec.replicas  # this launch's line and width (narrower: a node out)
 
     def run(self) -> int:
         self.stop.install()
@@ -165,18 +180,34 @@ class Relauncher:
                 code = self._one_launch()
                 if code != EXIT_RESTART or self.stop.requested or self.restarts >= self.spec.max_restarts:
                     return code
+                if self.spec.nodes is not None:
+                    fitted = self.spec.nodes.fit(say)
+                    if fitted is None:
+                        return code  # not enough nodes answer: the scheduler's turn
+                    self.cmd, self.replicas = fitted
                 self.restarts += 1
-                how = "from the warm standby" if self.standby is not None and self.standby.ready() else "cold"
+                how = "from the warm standby" if self._standby_fits() and self.standby.ready() else "cold"
                 say(f"relaunching in place {how} (restart {self.restarts} of --max-restarts "
                     f"{self.spec.max_restarts})")
         finally:
             if self.standby is not None:
                 self.standby.cancel()
 
+    def _nodes_out(self) -> tuple[str, ...]:
+        return self.spec.nodes.out if self.spec.nodes is not None else ()
+
+    def _standby_fits(self) -> bool:
+        return self.standby is not None and self.standby.nodes_out == self._nodes_out()
+
     def _one_launch(self) -> int:
+        if self.standby is not None and not self._standby_fits():
+            say("the warm standby was started for other nodes: a cold launch")
+            self.standby.cancel()
+            self.standby = None
         standby, self.standby = self.standby, None
         self._mark_start()
-        record = {"previous_job_ended": self._previous_ended}
+        record = {"previous_job_ended": self._previous_ended, "replicas": self.replicas,
+                  **({"nodes_out": list(self._nodes_out())} if self.spec.nodes is not None else {})}
         if standby is not None and not standby.ready():
             self._wait_for(standby)
         if standby is not None and standby.ready():
@@ -209,6 +240,7 @@ class Relauncher:
         self._standby_starts = 0
         self._job_trained = self._job_degraded = False
         standby_ready_path(self.spec.run_dir).unlink(missing_ok=True)
+        nodes_back_path(self.spec.run_dir).unlink(missing_ok=True)
         path = metrics_path(self.spec.run_dir)
         self._metrics_offset = path.stat().st_size if path.exists() else 0
 
@@ -216,7 +248,11 @@ class Relauncher:
         """While a job runs: start the standby once the job has logged a step (its start-up, which the standby's
         would slow down, is over), or with ``after_loss`` a step with fewer replicas; tell the job when that one
         is ready. A standby whose ``mpirun`` ended while it waited is replaced, up to :data:`STANDBY_STARTS` per
-        launch (seen on Slurm: the standby's daemon step failed to start, exit 213)."""
+        launch (seen on Slurm: the standby's daemon step failed to start, exit 213). A job run narrower is told
+        when a node it left out answers again."""
+        if self.spec.nodes is not None and self.spec.nodes.out and not self.stop.requested \
+                and self.spec.nodes.back_now(say):
+            nodes_back_path(self.spec.run_dir).touch()
         if not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
             return
         if self.standby is not None:
@@ -233,7 +269,7 @@ class Relauncher:
         wanted = self._job_degraded if self.spec.standby_after_loss else self._job_trained
         if self._standby_starts < STANDBY_STARTS and wanted:
             self._standby_starts += 1
-            self.standby = Standby(self.spec, self._command(self.restarts + 1))
+            self.standby = Standby(self.spec, self._command(self.restarts + 1), self._nodes_out())
 
     def _command(self, restarts: int) -> list[str]:
         """The launch line of the job that follows ``restarts`` relaunches: a fresh launch token, and what the
@@ -246,7 +282,10 @@ class Relauncher:
             env[RELAUNCH_S_ENV] = f"{relaunch_s:.3f}"
         if self.spec.standby and self.spec.standby_after_loss:
             env[STANDBY_READY_ENV] = str(standby_ready_path(self.spec.run_dir))
-        return with_env(with_launch_token(self.spec.cmd, secrets.token_hex(4)), env)
+        if self.replicas < self.spec.replicas:  # run narrower: a node is out
+            env[FULL_REPLICAS_ENV] = str(self.spec.replicas)
+            env[NODES_BACK_ENV] = str(nodes_back_path(self.spec.run_dir))
+        return with_env(with_launch_token(self.cmd, secrets.token_hex(4)), env)
 
     def _read_new_steps(self) -> None:
         """Read the step records this launch appended to ``metrics.jsonl`` since the last tick (whole lines)."""
@@ -269,4 +308,4 @@ class Relauncher:
             if isinstance(record, dict) and "event" not in record and "step" in record:
                 self._job_trained = True
                 live = record.get("live_replicas")
-                self._job_degraded |= isinstance(live, int) and live < self.spec.replicas
+                self._job_degraded |= isinstance(live, int) and live < self.replicas

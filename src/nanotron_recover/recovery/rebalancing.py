@@ -32,7 +32,7 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import STOP, stop_reason
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.run.in_place import standby_ready
+from nanotron_recover.run.in_place import nodes_back, standby_ready
 from nanotron_recover.training.seam import LocalWork, StepStop
 from nanotron_recover.workload.rebalance import Rebalancer, RebalanceSettings
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -43,7 +43,8 @@ NONFINITE_GRADS = -(SNAPSHOT_ENTRIES + 1)  # just before them: how many ranks ho
 STOP_REQUESTS = NONFINITE_GRADS - 1  # and before that: how many ranks were asked to stop (a signal)
 STARTUP_US, STARTUP_RANKS = STOP_REQUESTS - 2, STOP_REQUESTS - 1  # the ranks' start-up seconds (µs), how many
 STANDBY_READY = STARTUP_US - 1  # how many ranks saw the launcher say that the standby after a loss is ready
-TAIL_ENTRIES = -STANDBY_READY  # the entries after the slots' speeds
+NODES_BACK = STANDBY_READY - 1  # how many saw it say that a node this launch left out answers again
+TAIL_ENTRIES = -NODES_BACK  # the entries after the slots' speeds
 
 
 def settings_of(config: RecoverConfig) -> RebalanceSettings:
@@ -90,6 +91,7 @@ class StepStats:
         if STARTUP.seconds is not None:
             self.stats[STARTUP_US], self.stats[STARTUP_RANKS] = round(STARTUP.seconds * 1e6), 1.0
         self.stats[STANDBY_READY] = 1.0 if standby_ready() else 0.0
+        self.stats[NODES_BACK] = 1.0 if nodes_back() else 0.0
         self.stats[MICROBATCHES] = work.microbatches if counts else 0.0
         if counts and slot is not None:
             self.stats[2 + slot] = work.compute_s
@@ -118,6 +120,10 @@ class StepStats:
     def standby_ready(self) -> bool:
         """A rank saw the standby after a loss ready (the same answer on every rank)."""
         return bool(self.stats[STANDBY_READY])
+
+    def nodes_back(self) -> bool:
+        """A rank saw a node this launch left out answer again (the same answer on every rank)."""
+        return bool(self.stats[NODES_BACK])
 
     def stop_at(self, step: int) -> StepStop | None:
         """Why the committed ``step`` is the job's last, when a rank was asked to stop (the same on every rank)."""

@@ -18,6 +18,12 @@ Where the launcher starts the standby only after a loss (``fault_tolerance.stand
 runs on what the lost replica freed, not beside a full-width job), a regrow waits until a rank sees it ready (the
 step's sums carry that, so every rank stops in the same step), then weighs the warm relaunch; after
 :data:`STANDBY_WAIT_S` of degraded steps without it, it weighs a cold one (the ranks' own start-up).
+
+A launch that the launcher ran narrower than the job (a node of the allocation did not answer: ``--replicas R``)
+knows the job's full width (``NANOTRON_RECOVER_FULL_REPLICAS``); once a rank sees the launcher say that a missing
+node answers again (agreed through the step's sums), the job counts as degraded against that width, with the
+full-width step estimated from this launch's (the replicas' work scales with M / replicas), and regrows when that
+pays.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, standby_follows_loss
+from nanotron_recover.run.in_place import IN_PLACE_ENV, RELAUNCH_S_ENV, full_replicas, standby_follows_loss
 from nanotron_recover.sim.regrow import decide
 from nanotron_recover.training.seam import StepStop
 
@@ -42,6 +48,7 @@ class Regrow:
         self.enabled = setting == "auto" and restarts.isdigit() and int(restarts) > 0
         self.measured_relaunch_s = float(relaunch_s) if relaunch_s else None  # the launcher's, once it has one
         self.full_width, self.horizon_s = full_width, mtbf_h * 3600.0
+        self.job_width = max(full_width, full_replicas() or 0)  # wider than this launch's: a node was left out
         self.standby_follows = standby_follows_loss()  # a standby starts after a loss: wait until it is ready
         self.step_full_s: float | None = None
         self.degraded_since: int | None = None
@@ -53,36 +60,42 @@ class Regrow:
         ft = config.fault_tolerance
         return cls(ft.regrow, config.parallelism.dp, ft.relaunch_mtbf_h)
 
-    def after_commit(self, step: int, computing: int, step_s: float | None,
-                     startup_s: float | None = None, standby_ready: bool = False) -> StepStop | None:
+    def after_commit(self, step: int, computing: int, step_s: float | None, startup_s: float | None = None,
+                     standby_ready: bool = False, nodes_back: bool = False) -> StepStop | None:
         """A committed step with ``computing`` replicas, the agreed mean step time, the ranks' agreed mean
-        start-up of this launch, and whether a rank saw the standby after the loss ready: stop here to regrow?"""
+        start-up of this launch, whether a rank saw the standby after the loss ready, and whether one saw a node
+        this launch left out answer again: stop here to regrow?"""
         self.news = None
         if not self.enabled or step_s is None:
             return None
-        if computing >= self.full_width:
-            self.step_full_s, self.degraded_since, self._verdict = step_s, None, None
+        target = self.job_width if nodes_back else self.full_width  # the width a relaunch would have
+        if computing >= self.full_width and (computing >= target or self.degraded_since is None):
+            self.step_full_s = step_s  # at this launch's full width
+        if computing >= target:
+            self.degraded_since, self._verdict = None, None
             return None
         if self.degraded_since is None:
             self.degraded_since = step
         relaunch_s = self.measured_relaunch_s if self.measured_relaunch_s is not None else startup_s
         if self.step_full_s is None or step - self.degraded_since < SETTLE_STEPS or relaunch_s is None:
             return None
-        waiting = self.standby_follows and not standby_ready
+        waiting = self.standby_follows and not standby_ready and target == self.full_width
         if waiting and (step - self.degraded_since) * step_s >= STANDBY_WAIT_S:
             waiting, relaunch_s = False, startup_s if startup_s is not None else relaunch_s  # a cold relaunch
-        decision = decide(step_s, self.step_full_s, relaunch_s, self.horizon_s)
+        step_full_s = self.step_full_s * self.full_width / target  # estimated when wider than this launch
+        decision = decide(step_s, step_full_s, relaunch_s, self.horizon_s)
         regrow = decision.regrow and not waiting
         if regrow != self._verdict or (step - self.degraded_since) % SAY_EVERY_STEPS == 0:
             self.news = {"event": "regrow", "step": step, "decision": "regrow" if regrow else "not yet",
-                         "computing_replicas": computing, "full_width": self.full_width,
-                         "step_now_s": step_s, "step_full_s": self.step_full_s, "relaunch_s": relaunch_s,
+                         "computing_replicas": computing, "full_width": target,
+                         "step_now_s": step_s, "step_full_s": step_full_s, "relaunch_s": relaunch_s,
                          "horizon_s": self.horizon_s, "degraded_cost_s": decision.degraded_cost_s,
-                         **({"waiting_for_standby": True} if waiting else {})}
+                         **({"waiting_for_standby": True} if waiting else {}),
+                         **({"nodes_back": True} if target > self.full_width else {})}
         self._verdict = regrow
         if not regrow:
             return None
-        return StepStop("regrow_stop", f"regrow: back to {self.full_width} replicas after step {step} "
+        return StepStop("regrow_stop", f"regrow: back to {target} replicas after step {step} "
                                        f"({decision.describe()}); a relaunch resumes at step {step + 1}")
 
 

@@ -184,7 +184,7 @@ class ResilientDataParallel(DataParallelStrategy):
         # the job's last step: a rank got a stop signal, or coming back to full width through a relaunch pays
         sums = self.step_stats
         stop = sums.stop_at(step) or self.regrow.after_commit(
-            step, len(plan), self.snapshot_schedule.step_s, sums.startup_s(), sums.standby_ready())
+            step, len(plan), self.snapshot_schedule.step_s, sums.startup_s(), sums.standby_ready(), sums.nodes_back())
         self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
         committed, loss = int(round(stats[1])), float(stats[0])
         if committed != self.M:

@@ -255,6 +255,13 @@ def standby_ready_path(run_dir: Path) -> Path:
     return Path(run_dir) / STANDBY_READY_FILE
 
 
+NODES_BACK_FILE = "nodes_back"  # the launcher's word to a job run narrower: a missing node answers again
+
+
+def nodes_back_path(run_dir: Path) -> Path:
+    return Path(run_dir) / NODES_BACK_FILE
+
+
 def read_launches(run_dir: Path) -> list[dict[str, Any]]:
     """The launch records of the run, oldest first (a torn line is skipped)."""
     return [r for r in read_metrics_jsonl(Path(run_dir) / LAUNCHES_FILE) if "launch" in r]

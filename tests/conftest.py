@@ -112,6 +112,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         crash = open_mpi_crash(failure_texts(getattr(item, "_run_tmp_path", None), reports))
         if crash is not None:
             item.config._open_mpi_crashes = [*getattr(item.config, "_open_mpi_crashes", []), f"{item.nodeid}: {crash}"]
+            crashed = getattr(item, "_run_tmp_path", None)  # that attempt's runs: a hang there followed the crash
+            item.config._crashed_tmp_paths = [*getattr(item.config, "_crashed_tmp_paths", []),
+                                              *([Path(crashed)] if crashed is not None else [])]
             item._initrequest()
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
     for report in reports:
@@ -129,19 +132,22 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 # Every fault-tolerant run of the suite has the hang monitor on. At the end of the session, scan every run dir the
 # tests made: a ``hang_detected`` event in a run that injected no SIGSTOP / hang is a false alarm (it fails the
 # session); the closest any run came to its timeout is printed (the margin), and so is every repair round that
-# found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting).
-def _scan_run_records(base: Path) -> dict[str, list]:
+# found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting). A hang in a
+# run of an attempt that Open MPI's own crash failed (that test ran once more) is listed apart: a rank crashed
+# inside libmpi left its peers waiting, and the hang monitor bounded that wait, as it must.
+def _scan_run_records(base: Path, crashed: list[Path] = ()) -> dict[str, list]:
 
     from nanotron_recover.run.run_folder import METRICS_FILE, has_provoked_hang, read_exits
 
-    found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": []}
+    found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": [], "after_crash": []}
     for metrics in base.rglob(METRICS_FILE):
         run_dir = metrics.parent
         # a scheduled freeze or hang, or a signal sent from outside (a frozen rank, an orphaning kill of mpirun)
         expected = has_provoked_hang(run_dir)
         for line in metrics.read_text(errors="replace").splitlines():
             if '"hang_detected"' in line and not expected:
-                found["false_alarms"].append(f"{run_dir}: {line[:300]}")
+                after_crash = any(run_dir.is_relative_to(path) for path in crashed)
+                found["after_crash" if after_crash else "false_alarms"].append(f"{run_dir}: {line[:300]}")
             if '"repair_without_failure"' in line:
                 found["without_failure"].append(f"{run_dir}: {line[:300]}")
         for exit_record in read_exits(run_dir).values():
@@ -175,7 +181,7 @@ def pytest_sessionfinish(session, exitstatus):
         base = factory.getbasetemp()
     except Exception:  # noqa: BLE001 - no tmp dir was made
         return
-    found = _scan_run_records(base)
+    found = _scan_run_records(base, getattr(session.config, "_crashed_tmp_paths", []))
     session.config._run_records = found
     _remove_left_snapshots(base)
     if found["false_alarms"]:
@@ -204,5 +210,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         )
     for line in found["without_failure"]:
         terminalreporter.write_line(f"repair without a failure (logged, trajectory kept): {line}")
+    for line in found["after_crash"]:
+        terminalreporter.write_line(f"hang after an Open MPI crash (that attempt ran once more): {line}")
     for alarm in found["false_alarms"]:
         terminalreporter.write_line(f"FALSE ALARM: {alarm}")

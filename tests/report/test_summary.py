@@ -13,6 +13,7 @@ from nanotron_recover.report.summary import (
     LOST_RECOVERY,
     LOST_RELAUNCH,
     LOST_REPLAYED,
+    _regrow_line,
     format_summary,
     summarize,
 )
@@ -125,7 +126,7 @@ def test_regrow_decisions_and_the_stop_they_end_a_launch_with_are_shown_with_the
     for step, verdict, cost in ((3, "not yet", 0.9), (4, "regrow", 1.8)):
         run.step(step, 8.0 - step, step_time=0.2)
         run.event("regrow", step=step, decision=verdict, step_now_s=0.2, relaunch_s=1.25, degraded_cost_s=cost,
-                  **decision)
+                  **decision, **({"waiting_for_standby": True} if step == 3 else {}))
     run.event("regrow_stop", step=4, reason="regrow: back to 2 replicas after step 4")
     run.relaunch(gap=1.5)
     for step in (5, 6):
@@ -138,3 +139,12 @@ def test_regrow_decisions_and_the_stop_they_end_a_launch_with_are_shown_with_the
     assert ("step 4: regrow (1 of 2 replicas computing; step 200 ms against 100 ms at full width; degraded until the "
             "next failure (36 s) costs 1.80 s, a relaunch 1.25 s)") in text, text
     assert "launch 2 resumed from step 4 (launch 1 logged steps 1..4 after stopping: regrow: back to 2" in text, text
+    assert "step 3: not yet (1 of 2 replicas computing, waiting for the standby; step 200 ms" in text, text
+
+
+def test_a_regrow_decision_of_a_job_run_narrower_says_its_node_is_back():
+    line = _regrow_line({"step": 9, "decision": "regrow", "computing_replicas": 1, "full_width": 2, "nodes_back": True,
+                         "step_now_s": 0.2, "step_full_s": 0.1, "horizon_s": 7200, "degraded_cost_s": 3600,
+                         "relaunch_s": 3.0})
+    assert line.startswith("step 9: regrow (1 of 2 replicas computing, a node left out answers again (full-width "
+                           "step estimated); step 200 ms against 100 ms at full width"), line

@@ -11,8 +11,8 @@ launcher relaunches in place from the standby, no requeue, the same losses.
 
 Node 2 really lost (its ``slurmd`` too, every process of it SIGKILLed): the launcher's probe step there fails, it
 relaunches on node 1 alone with 1 replica (the same global batch); once node 2's ``slurmd`` is started again, the
-launcher hears it answer, the job regrows at a step boundary and finishes at full width on both nodes, in the same
-Slurm job, with the failure-free losses.
+launcher hears it answer and starts a standby at full width; when that is ready the job regrows at a step boundary
+(a warm relaunch) and finishes on both nodes, in the same Slurm job, with the failure-free losses.
 
 Hard timeouts on every wait (job polling, the kill watcher, ``run_training``); needs root and Debian's Slurm.
 """
@@ -202,7 +202,7 @@ def _node_processes(node: str) -> list[int]:
 @needs_slurm
 @pytest.mark.timeout(600)
 def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_once_it_is_back(two_nodes, tmp_path):
-    steps = 500  # long enough for the narrower launch to hear node 2 back and regrow
+    steps = 800  # long enough for the narrower launch to hear node 2 back, get a standby at full width, regrow
     config = make_tiny_config(dp=2, tp=2, steps=steps, accumulation=2, layers=2, checkpoint_interval=100,
                               fault_tolerance={"enabled": True, "local_snapshot_interval": 1, "min_replicas": 1})
     config_path = write_config(config, tmp_path / "config.yaml")
@@ -218,6 +218,7 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     node = [slurmd, *_node_processes("n2")]
     assert slurm_node_daemons("n2"), node
     kill_processes(dict.fromkeys(node))  # node 2 is gone: its slurmd, its job steps, its daemons and ranks
+    killed_at = time.time()
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not [r for r in read_launches(run_dir) if r.get("nodes_out")]:
@@ -236,6 +237,7 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     # width: a rank stalled past the hang timeout is evicted in-step, and the job regrows again)
     shapes = [(r["replicas"], r["nodes_out"]) for r in read_launches(run_dir)]
     assert shapes[:3] == [(2, []), (1, ["n2"]), (2, [])] and all(s == (2, []) for s in shapes[3:]), shapes
+    assert read_launches(run_dir)[2]["warm"], output[-4000:]  # the regrow: from a standby started at full width
     lines = read_metrics_jsonl(run_dir)
     back = [r for r in lines if r.get("event") == "regrow" and r.get("nodes_back") and r["decision"] == "regrow"]
     stops = [r for r in lines if r.get("event") == "regrow_stop"]
@@ -252,3 +254,9 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     want = {s["step"]: s["loss"] for s in reference.steps}
     for r in records:
         assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])
+    narrow_first = next(r["time"] for r in records if r["time"] > read_launches(run_dir)[1]["time"])
+    stop_at = next(r["time"] for r in records if r["step"] == stops[0]["step"])
+    wide_first = next(r["time"] for r in records if r["time"] > stop_at)
+    print(f"\nSlurm, 2 nodes: node 2 lost (slurmd too): training on node 1 alone {narrow_first - killed_at:.1f} s "
+          f"later (probe timeout {env['NANOTRON_RECOVER_NODE_PROBE_S']} s); node 2 back: regrow after step "
+          f"{stops[0]['step']}, training on both nodes {wide_first - stop_at:.1f} s after that step")

@@ -14,7 +14,8 @@ launch.
 
 In a Slurm allocation of several nodes, each relaunch first asks the nodes whether they answer
 (:mod:`nanotron_recover.launcher.node_fit`): a relaunch after a node was lost runs on the others at the width
-that fits, and comes back to full width once the node answers again (the job regrows at a step boundary).
+that fits, and comes back to full width once the node answers again (a standby at full width is started, then the
+job regrows at a step boundary).
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ class Relauncher:
         self._job_trained = self._job_degraded = False  # seen since this launch started
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
         self._standby_starts = 0  # standbys started during the running launch
+        self._back_heard: float | None = None  # when this launch heard that a node it left out answers again
         self.restarts = 0
         self.cmd, self.replicas = spec.cmd, spec.replicas  # this launch's line and width (narrower: a node out)
 
@@ -237,7 +239,7 @@ class Relauncher:
             time.sleep(0.02)
 
     def _mark_start(self) -> None:
-        self._standby_starts = 0
+        self._standby_starts, self._back_heard = 0, None
         self._job_trained = self._job_degraded = False
         standby_ready_path(self.spec.run_dir).unlink(missing_ok=True)
         nodes_back_path(self.spec.run_dir).unlink(missing_ok=True)
@@ -249,11 +251,8 @@ class Relauncher:
         would slow down, is over), or with ``after_loss`` a step with fewer replicas; tell the job when that one
         is ready. A standby whose ``mpirun`` ended while it waited is replaced, up to :data:`STANDBY_STARTS` per
         launch (seen on Slurm: the standby's daemon step failed to start, exit 213). A job run narrower is told
-        when a node it left out answers again."""
-        if self.spec.nodes is not None and self.spec.nodes.out and not self.stop.requested \
-                and self.spec.nodes.back_now(say):
-            nodes_back_path(self.spec.run_dir).touch()
-        if not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
+        when a node it left out answers again (:meth:`_watch_nodes`)."""
+        if self._watch_nodes() or not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
             return
         if self.standby is not None:
             if self.standby.job.proc.poll() is None:
@@ -271,10 +270,39 @@ class Relauncher:
             self._standby_starts += 1
             self.standby = Standby(self.spec, self._command(self.restarts + 1), self._nodes_out())
 
-    def _command(self, restarts: int) -> list[str]:
-        """The launch line of the job that follows ``restarts`` relaunches: a fresh launch token, and what the
-        ranks need to decide a regrow (:mod:`nanotron_recover.recovery.regrow`): the relaunches in place left,
-        and what one costs (the last one measured in this run folder, if any)."""
+    def _watch_nodes(self) -> bool:
+        """A job run narrower: once a node it left out answers again, start a standby at full width (one of the
+        narrower shape is cancelled) and tell the job when it is ready, so that its regrow is a warm relaunch; at
+        once without standbys, or after :data:`STANDBY_WAIT_S` without a ready one (the regrow is then cold).
+        True while the standby is this one's business."""
+        nodes = self.spec.nodes
+        if nodes is None or not nodes.out or self.stop.requested or not nodes.back_now(say):
+            return False
+        back = nodes_back_path(self.spec.run_dir)
+        if self._back_heard is None:
+            self._back_heard = time.monotonic()
+        if not self.spec.standby or back.exists() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S:
+            back.touch()
+            return False
+        if self.standby is not None and (self.standby.nodes_out or self.standby.job.proc.poll() is not None):
+            self.standby.cancel()  # shaped for the narrower job, or its mpirun ended
+            self.standby = None
+        if self.standby is None:
+            if self._standby_starts >= STANDBY_STARTS:
+                back.touch()  # no other standby this launch: the regrow is cold
+                return False
+            self._standby_starts += 1
+            say("starting the warm standby at full width for the regrow")
+            self.standby = Standby(self.spec, self._command(self.restarts + 1, full_width=True), ())
+        elif self.standby.ready():
+            back.touch()
+        return True
+
+    def _command(self, restarts: int, full_width: bool = False) -> list[str]:
+        """The launch line of the job that follows ``restarts`` relaunches (at ``full_width``, else the running
+        launch's width): a fresh launch token, and what the ranks need to decide a regrow
+        (:mod:`nanotron_recover.recovery.regrow`): the relaunches in place left, and what one costs (the last one
+        measured in this run folder, if any)."""
         left = max(0, self.spec.max_restarts - restarts)
         env = {IN_PLACE_ENV: str(left)}
         relaunch_s = measured_relaunch_s(self.spec.run_dir)
@@ -282,10 +310,10 @@ class Relauncher:
             env[RELAUNCH_S_ENV] = f"{relaunch_s:.3f}"
         if self.spec.standby and self.spec.standby_after_loss:
             env[STANDBY_READY_ENV] = str(standby_ready_path(self.spec.run_dir))
-        if self.replicas < self.spec.replicas:  # run narrower: a node is out
+        if self.replicas < self.spec.replicas and not full_width:  # run narrower: a node is out
             env[FULL_REPLICAS_ENV] = str(self.spec.replicas)
             env[NODES_BACK_ENV] = str(nodes_back_path(self.spec.run_dir))
-        return with_env(with_launch_token(self.cmd, secrets.token_hex(4)), env)
+        return with_env(with_launch_token(self.spec.cmd if full_width else self.cmd, secrets.token_hex(4)), env)
 
     def _read_new_steps(self) -> None:
         """Read the step records this launch appended to ``metrics.jsonl`` since the last tick (whole lines)."""

@@ -309,9 +309,11 @@ def _regrow_line(e: dict[str, Any]) -> str:
         value = e.get(key)
         return f"{value * scale:.{digits}f}" if isinstance(value, (int, float)) else "?"
 
+    why = (", waiting for the standby" if e.get("waiting_for_standby") else "") \
+        + (", a node left out answers again (full-width step estimated)" if e.get("nodes_back") else "")
     return (f"step {e.get('step')}: {e.get('decision')} ({e.get('computing_replicas')} of {e.get('full_width')} "
-            f"replicas computing; step {num('step_now_s', 1e3, 0)} ms against {num('step_full_s', 1e3, 0)} ms at "
-            f"full width; degraded until the next failure ({num('horizon_s', 1, 0)} s) costs "
+            f"replicas computing{why}; step {num('step_now_s', 1e3, 0)} ms against {num('step_full_s', 1e3, 0)} ms "
+            f"at full width; degraded until the next failure ({num('horizon_s', 1, 0)} s) costs "
             f"{num('degraded_cost_s')} s, a relaunch {num('relaunch_s')} s)")
 
 

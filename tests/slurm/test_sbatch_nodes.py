@@ -241,7 +241,9 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     lines = read_metrics_jsonl(run_dir)
     back = [r for r in lines if r.get("event") == "regrow" and r.get("nodes_back") and r["decision"] == "regrow"]
     stops = [r for r in lines if r.get("event") == "regrow_stop"]
-    assert back and stops and back[0]["step"] == stops[0]["step"], output[-4000:]  # node 2 back: the narrower job
+    # node 2 back: the narrower job's regrow (the survivors of the loss may have stopped to regrow first, in-step)
+    assert back and back[0]["step"] in [r["step"] for r in stops], output[-4000:]
+    regrow_step = back[0]["step"]
     records = [r for r in lines if "event" not in r and "step" in r]
     logged = [r["step"] for r in records]
     assert sorted(set(logged)) == list(range(1, steps + 1)) and len(logged) - steps <= 2, logged  # replays: the loss
@@ -249,14 +251,14 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
         assert logged.count(stop["step"]) == 1 and logged.count(stop["step"] + 1) == 1, (stop, logged)
     assert all(r["microbatches"] == 4 for r in records)  # M every step, narrower or not
     widths = {r["step"]: r["live_replicas"] for r in records}
-    assert widths[stops[0]["step"]] == 1 and widths[steps] == 2
+    assert widths[regrow_step] == 1 and widths[steps] == 2
     reference = run_training(config, tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
     want = {s["step"]: s["loss"] for s in reference.steps}
     for r in records:
         assert abs(r["loss"] - want[r["step"]]) <= 1e-5, (r["step"], r["loss"], want[r["step"]])
     narrow_first = next(r["time"] for r in records if r["time"] > read_launches(run_dir)[1]["time"])
-    stop_at = next(r["time"] for r in records if r["step"] == stops[0]["step"])
+    stop_at = next(r["time"] for r in records if r["step"] == regrow_step)
     wide_first = next(r["time"] for r in records if r["time"] > stop_at)
     print(f"\nSlurm, 2 nodes: node 2 lost (slurmd too): training on node 1 alone {narrow_first - killed_at:.1f} s "
           f"later (probe timeout {env['NANOTRON_RECOVER_NODE_PROBE_S']} s); node 2 back: regrow after step "
-          f"{stops[0]['step']}, training on both nodes {wide_first - stop_at:.1f} s after that step")
+          f"{regrow_step}, training on both nodes {wide_first - stop_at:.1f} s after that step")

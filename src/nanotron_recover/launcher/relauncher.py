@@ -271,30 +271,28 @@ class Relauncher:
             self.standby = Standby(self.spec, self._command(self.restarts + 1), self._nodes_out())
 
     def _watch_nodes(self) -> bool:
-        """A job run narrower: once a node it left out answers again, start a standby at full width (one of the
-        narrower shape is cancelled) and tell the job when it is ready, so that its regrow is a warm relaunch; at
-        once without standbys, or after :data:`STANDBY_WAIT_S` without a ready one (the regrow is then cold).
-        True while the standby is this one's business."""
+        """A job run narrower: once a node it left out answers again, keep a standby at full width (one of the
+        narrower shape is cancelled, one whose ``mpirun`` ended is replaced up to :data:`STANDBY_STARTS` per
+        launch) and tell the job when it is ready, so that its regrow is a warm relaunch; at once without
+        standbys, or when none is left to start, or after :data:`STANDBY_WAIT_S` (the regrow is then cold or waits
+        for the standby at the launch). True while the standby is this one's business."""
         nodes = self.spec.nodes
         if nodes is None or not nodes.out or self.stop.requested or not nodes.back_now(say):
             return False
         back = nodes_back_path(self.spec.run_dir)
         if self._back_heard is None:
             self._back_heard = time.monotonic()
-        if not self.spec.standby or back.exists() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S:
+        if not self.spec.standby:
             back.touch()
             return False
         if self.standby is not None and (self.standby.nodes_out or self.standby.job.proc.poll() is not None):
             self.standby.cancel()  # shaped for the narrower job, or its mpirun ended
             self.standby = None
-        if self.standby is None:
-            if self._standby_starts >= STANDBY_STARTS:
-                back.touch()  # no other standby this launch: the regrow is cold
-                return False
+        if self.standby is None and self._standby_starts < STANDBY_STARTS:
             self._standby_starts += 1
             say("starting the warm standby at full width for the regrow")
             self.standby = Standby(self.spec, self._command(self.restarts + 1, full_width=True), ())
-        elif self.standby.ready():
+        if self.standby is None or self.standby.ready() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S:
             back.touch()
         return True
 

@@ -37,7 +37,7 @@ class NodeFit:
     _asked_at: float = 0.0
     _asking: threading.Thread | None = None
     _back: list[str] = field(default_factory=list)
-    _said_back = False
+    _said_back: bool = False
 
     def fit(self, say: Say) -> tuple[list[str], int] | None:
         """(launch line, replicas) for the nodes that answer now, or None when too few replicas fit on them."""

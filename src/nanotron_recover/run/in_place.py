@@ -24,10 +24,15 @@ def standby_follows_loss() -> bool:
     return bool(os.environ.get(STANDBY_READY_ENV))
 
 
-def standby_ready() -> bool:
-    """That standby is ready now (this rank's view; the step's sums make it every rank's)."""
-    path = os.environ.get(STANDBY_READY_ENV)
+def _launcher_said(env: str) -> bool:
+    """The file the launcher names in ``env`` exists (this rank's view; the step's sums make it every rank's)."""
+    path = os.environ.get(env)
     return bool(path) and os.path.exists(path)
+
+
+def standby_ready() -> bool:
+    """That standby is ready now."""
+    return _launcher_said(STANDBY_READY_ENV)
 
 
 def full_replicas() -> int | None:
@@ -37,6 +42,5 @@ def full_replicas() -> int | None:
 
 
 def nodes_back() -> bool:
-    """A node this launch left out answers again (this rank's view; the step's sums make it every rank's)."""
-    path = os.environ.get(NODES_BACK_ENV)
-    return bool(path) and os.path.exists(path)
+    """A node this launch left out answers again."""
+    return _launcher_said(NODES_BACK_ENV)

@@ -208,6 +208,8 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     config_path = write_config(config, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     env = _job_env(config_path, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2", IN_PLACE_RESTARTS="3",
+                   # the dead node's probe bounds the narrower relaunch: 5 s instead of the default 10 s keeps node 2
+                   # out of slurmctld's sight for less time before the test starts its slurmd again (same path)
                    NANOTRON_RECOVER_NODE_PROBE_S="5",
                    MPIRUN_ARGS="--mca btl tcp,self --mca btl_tcp_if_include lo --mca mpi_yield_when_idle 1")
     job = two_nodes.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])

@@ -38,7 +38,8 @@ from nanotron_recover.launcher.mpirun import replica_placement, slurm_tasks_per_
 
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT
-from nanotron_recover.run.run_folder import OUTCOME_EXIT_CODES, begin_launch, judge_launch
+from nanotron_recover.run.outcome import OUTCOME_EXIT_CODES, judge_launch
+from nanotron_recover.run.run_folder import begin_launch
 
 
 def _load_config(argv: Sequence[str], command: str):

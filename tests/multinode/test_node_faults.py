@@ -26,14 +26,8 @@ import pytest
 
 from nanotron_recover.launcher.runs import rank_pids, run_training, write_config
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.run_folder import (
-    OUTCOMES_FILE,
-    latest_checkpoint_step,
-    read_exits,
-    read_metrics,
-    read_metrics_jsonl,
-    run_outcome,
-)
+from nanotron_recover.run.outcome import OUTCOMES_FILE, run_outcome
+from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics, read_metrics_jsonl
 from nanotron_recover.testbed.fake_nodes import kill_node, node_ranks, write_bed
 
 pytestmark = pytest.mark.slow

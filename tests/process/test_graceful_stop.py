@@ -102,7 +102,7 @@ def test_a_stop_signal_ends_the_job_at_a_step_and_the_relaunch_computes_no_step_
 
     relaunched = time.time()
     result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
-    assert set(RESUMED.findall(result.output)) == {str(last)}, result.output[-3000:]  # said by every rank
+    assert RESUMED.findall(result.output) == [str(last)], result.output[-3000:]  # said once, for the launch
     logged = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
     assert logged == list(range(1, STEPS + 1)), "a step was computed twice, or one is missing"
     assert [s["loss"] for s in result.steps] == reference.losses  # the same state: bit-identical

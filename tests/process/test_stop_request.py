@@ -86,20 +86,28 @@ def test_the_last_step_is_snapshotted_whatever_the_interval_unless_snapshots_are
     assert not off.commit(3, sums, last=True)
 
 
+# The handlers only record a signal; the main loop says it. A handler that printed could run while the main code
+# held stdout's buffer (a signal just after the "open" line was written): "reentrant call", the child dead.
 CHILD = """
-import signal, sys, time
+import signal, time
+caught = []
 for s in (signal.SIGUSR1, signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-    signal.signal(s, lambda n, f: print(signal.Signals(n).name, flush=True))
+    signal.signal(s, lambda n, f: caught.append(n))
 print("blocked" if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()) else "open", flush=True)
 while True:
     time.sleep(0.01)
+    while caught:
+        print(signal.Signals(caught.pop(0)).name, flush=True)
 """
 
 
 def child_with_mask(graceful: bool) -> subprocess.Popen:
+    """The child as ``mpirun`` starts (its mask), with a buffered stdout whatever PYTHONUNBUFFERED says here (CI
+    sets it, a plain shell does not): the same child in both, the one where a printing handler would re-enter."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_for_mpirun(graceful))
     try:
-        return subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+        return subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, env=env)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 

@@ -4,13 +4,14 @@ mid-write (a real process) leaving the previous snapshot usable."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
-import zlib
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ from nanotron_recover.config import ConfigError, config_from_dict
 from nanotron_recover.launcher.preflight import check_local_snapshot_budget
 from nanotron_recover.run.run_folder import ensure_run_id, run_id
 from nanotron_recover.snapshots.catalog import scan
-from nanotron_recover.snapshots.format import WRITE_PIECE_BYTES, encode_header, parse, payload_checksum, unpack_into
-from nanotron_recover.snapshots.relaunch import choose_snapshot, transfer_plan
+from nanotron_recover.snapshots.format import WRITE_PIECE_BYTES, parse, payload_checksum, unpack_into, verify_file
+from nanotron_recover.snapshots.relaunch import Loaded, choose_snapshot, resumed_line, transfer_plan
 from nanotron_recover.snapshots.writer import KEEP, SnapshotWriter
 from tests.conftest import make_tiny_config
 
@@ -112,24 +113,22 @@ def test_the_file_a_write_made_surplus_is_written_over_by_the_next_and_every_fil
     assert sorted(s.step for s in scan(tmp_path, RUN, CONFIG)) == [4, 5]
 
 
-def test_a_file_of_an_earlier_version_checksummed_with_crc32_is_still_read(tmp_path):
+def test_a_file_of_the_previous_format_whose_header_had_no_checksum_is_not_used(tmp_path):
+    """``NRSNAP02`` headers carried no checksum: their extras could not be trusted, so such a file (a relaunch just
+    after an upgrade) is refused with a message naming the versions; the relaunch uses the disk checkpoint."""
     writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)
     writer.write(3, state(3.0), {"step": 3})
     writer.close()
     (found,) = scan(tmp_path, RUN, CONFIG)
     header, _, payload = parse(found.path.read_bytes())
-    old = {k: v for k, v in header.items() if k != "checksum"}
-    old["crc32"] = zlib.crc32(payload)
-    legacy = encode_header(old) + bytes(payload)
-    got, _, got_payload = parse(legacy)
-    assert payload_checksum(got) == f"crc32:{old['crc32']:08x}"
-    target = state(0.0)
-    unpack_into(target, got, got_payload)
-    assert all(torch.equal(a, b) for a, b in zip(state(3.0), target))
-    damaged = bytearray(legacy)
-    damaged[-1] ^= 0x01
-    with pytest.raises(ValueError, match="checksum"):
-        parse(bytes(damaged))
+    head = json.dumps(header).encode()
+    found.path.write_bytes(b"NRSNAP02" + struct.pack("<I", len(head)) + head + bytes(payload))  # as 02 wrote it
+    said: list[str] = []
+    assert scan(tmp_path, RUN, CONFIG, log=said.append) == []
+    assert len(said) == 1 and "not a snapshot file of this format (NRSNAP02" in said[0], said
+    assert found.path.exists()  # not damaged: another version's, left to the cleanup of its history
+    with pytest.raises(ValueError, match="not a snapshot file of this format"):
+        parse(found.path.read_bytes())
 
 
 def test_another_runs_or_configs_snapshot_is_refused_with_a_message(tmp_path):
@@ -151,6 +150,34 @@ def test_a_damaged_payload_is_refused(tmp_path):
     data[-1] ^= 0xFF
     with pytest.raises(ValueError, match="checksum"):
         parse(bytes(data))
+
+
+def flip_a_digit(path, field: bytes, value: bytes) -> None:
+    """Turn the last digit of the first ``value`` after ``field`` in the file's header into another digit (1 <-> 7):
+    still valid JSON, another number; what only a checksum of the header sees."""
+    data = bytearray(path.read_bytes())
+    at = data.index(value, data.index(field)) + len(value) - 1
+    assert chr(data[at]).isdigit()
+    data[at] ^= 0x06
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_the_headers_extras_makes_the_file_damaged(tmp_path):
+    """The extras (the LR schedule, the optimizer's group settings) are applied at resume as read: a flipped digit
+    there would change the learning rate of the rest of the run. The header has its own checksum, checked before
+    anything of the file is used; a mismatch is damage (deleted, as a payload's)."""
+    writer = SnapshotWriter(tmp_path, "r0-c0", run_id=RUN, config_hash=CONFIG, coord=0, history=HISTORY)
+    writer.write(4, state(4.0), {"lr_scheduler": {"_last_lr": [0.001]}, "param_groups": [{"lr": 0.001}]})
+    writer.close()
+    (found,) = scan(tmp_path, RUN, CONFIG)
+    flip_a_digit(found.path, b'"param_groups"', b"0.001")  # lr 0.001 -> 0.007
+    with pytest.raises(ValueError, match="header checksum"):
+        parse(found.path.read_bytes())
+    with pytest.raises(ValueError, match="header checksum"):
+        verify_file(found.path)
+    said: list[str] = []
+    assert scan(tmp_path, RUN, CONFIG, log=said.append) == []
+    assert not found.path.exists() and any("damaged" in m and "deleted" in m for m in said), said
 
 
 def test_a_snapshot_of_another_layout_is_not_loaded(tmp_path):
@@ -234,6 +261,21 @@ def test_a_chosen_snapshot_can_always_be_served_to_every_rank_from_one_history(o
     assert max(served, default=0) <= max(-(-wanting[c] // holders[c]) for c in range(rpr)) * rpr
     for t, h in {(s, h) for pairs in offers for _, h, s in pairs if (s, h) > (step, history)}:
         assert not set(range(rpr)) <= {c for pairs in offers for c, hh, s in pairs if (s, hh) == (t, h)}
+
+
+def test_the_launchs_one_resume_line_names_each_coordinates_checksum_and_who_received():
+    """One line for all ranks (8 in the main job): a coordinate whose ranks loaded different bytes shows both, and
+    a large job's receivers are counted past the first few, so the line stays short."""
+    loaded = [Loaded(rank, rank % 2, None if rank < 4 else rank - 4, f"xxh3_64:{rank % 2:016x}") for rank in range(8)]
+    line = resumed_line(7, A, loaded)
+    assert line == (f"resumed from the local snapshot of step 7 (history {A}, 8 rank(s); payload checksum of "
+                    f"coordinate 0 xxh3_64:{0:016x}, coordinate 1 xxh3_64:{1:016x}; 4 rank(s) read their node's "
+                    "file, 4 received it over MPI: rank 4 received from rank 0, rank 5 received from rank 1, rank 6 "
+                    "received from rank 2, rank 7 received from rank 3)")
+    loaded[1] = loaded[1]._replace(checksum="xxh3_64:bad")
+    assert f"coordinate 1 xxh3_64:bad/xxh3_64:{1:016x};" in resumed_line(7, A, loaded)
+    many = [Loaded(rank, 0, 0 if rank else None, "xxh3_64:0") for rank in range(1000)]
+    assert resumed_line(7, A, many).endswith("rank 8 received from rank 0 and 991 more)")
 
 
 # ------------------------------------------------------------------------------------------- a kill mid-write

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from nanotron_recover.run.run_folder import ensure_run_id, run_id
 from nanotron_recover.snapshots.catalog import scan
-from nanotron_recover.snapshots.format import MAGIC, decode_header, encode_header, verify_file
+from nanotron_recover.snapshots.format import MAGIC, DamagedHeader, decode_header, encode_header, verify_file
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
 from nanotron_recover.snapshots.store import StoreRefused, private_dir, private_tree, remove_stale_runs
 from nanotron_recover.snapshots.writer import SnapshotWriter
 from tests.snapshots.snapshot_world import config, mounted_tmpfs, training_state, write_line
+from tests.snapshots.test_local_snapshot import flip_a_digit
 
 RUN, CONFIG = "00000000000000aa", "cfg-a"
 OTHER_UID = 65534  # nobody: a uid that is not ours (we run as root: chown works without a real user)
@@ -40,13 +42,18 @@ def mode(path: Path) -> int:
 
 # ------------------------------------------------------------------------------------------- the format
 def test_the_header_round_trips_and_damaged_headers_are_refused():
-    header = {"step": 3, "coord": 1, "crc32": 7, "payload_bytes": 0, "tensors": [], "extras": {"x": 1.5}}
+    header = {"step": 3, "coord": 1, "checksum": "xxh3_64:0000000000000007", "payload_bytes": 0, "tensors": [],
+              "extras": {"x": 1.5}}
     data = encode_header(header)
     assert data.startswith(MAGIC) and decode_header(data + b"payload") == (header, len(data))
+    flipped = bytearray(data)
+    flipped[data.index(b"1.5") + 2] ^= 0x06  # 1.5 -> 1.3: still JSON, not the header written
     for bad in (data[:-1], b"NRSNAP01" + data[8:], data[:8] + struct.pack("<I", 2**31) + data[12:],
-                MAGIC + struct.pack("<I", 2) + b"{]"):
+                MAGIC + struct.pack("<IQ", 2, xxhash.xxh3_64_intdigest(b"{]")) + b"{]", bytes(flipped)):
         with pytest.raises(ValueError):
             decode_header(bad)
+    with pytest.raises(DamagedHeader, match="header checksum"):
+        decode_header(bytes(flipped))
 
 
 class _Planted:
@@ -204,14 +211,20 @@ def test_files_newer_than_the_resumed_step_are_deleted(tmp_path):
     assert left == [(1, h, 1), (2, h, 0), (2, h, 1)], left
 
 
-def test_a_damaged_agreed_file_is_deleted_and_the_one_before_is_loaded(tmp_path):
-    said: list[str] = []
+def two_steps_written(tmp_path: Path, said: list[str]) -> Path:
+    """A launch that snapshots steps 1 and 2 and finishes; -> the file of step 2."""
     first = launch(tmp_path, said)
     first.resume(training_state(0.0), None)
     for step in (1, 2):
         first.after_commit(step, training_state(float(step)))
     first.finish()
     (newest,) = [p for p in first.folder.glob("*.snap") if p.name.endswith("s0000000002.snap")]
+    return newest
+
+
+def test_a_damaged_agreed_file_is_deleted_and_the_one_before_is_loaded(tmp_path):
+    said: list[str] = []
+    newest = two_steps_written(tmp_path, said)
     data = bytearray(newest.read_bytes())
     data[-1] ^= 0xFF
     newest.write_bytes(bytes(data))
@@ -221,6 +234,19 @@ def test_a_damaged_agreed_file_is_deleted_and_the_one_before_is_loaded(tmp_path)
     with pytest.raises(FileNotFoundError):
         verify_file(newest)
     assert launch(tmp_path, said).resume(training_state(0.0), None) == 1  # the next launch too: no loop
+
+
+def test_a_flipped_byte_in_the_newest_files_extras_is_never_applied_the_one_before_is_loaded(tmp_path):
+    """A digit of the saved learning rate flipped on disk (0.001 -> 0.007): the file is damaged, deleted, and the
+    step before is resumed with its own learning rate; the flipped value never reaches the optimizer."""
+    said: list[str] = []
+    newest = two_steps_written(tmp_path, said)
+    flip_a_digit(newest, b'"param_groups"', b"0.001")
+    state = training_state(0.0)
+    state.optimizer.param_groups[0]["lr"] = 0.5  # what the resume must overwrite
+    assert launch(tmp_path, said).resume(state, None) == 1 and float(state.named_params[0][1].detach()[0]) == 1.0
+    assert state.optimizer.param_groups[0]["lr"] == 1e-3
+    assert not newest.exists() and any("damaged" in m and "deleted" in m for m in said), said
 
 
 def test_a_store_of_another_user_turns_snapshots_off_and_the_run_goes_on(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 from nanotron_recover.launcher.mpirun import mpirun_command
 from nanotron_recover.run.run_folder import ensure_run_id
 from nanotron_recover.snapshots.catalog import scan
+from nanotron_recover.snapshots.format import payload_checksum
 from nanotron_recover.snapshots.store import config_hash
 from tests.snapshots.snapshot_world import config, node_folder, state_digest, training_state, write_line
 
@@ -55,6 +56,7 @@ def test_every_rank_loads_the_same_history_when_two_hold_one_step(tmp_path, monk
     write_line(n1, run, chash, 0, A, [6])
     write_line(n2, run, chash, 1, B, [6])
 
+    b_step5 = {s.coord: s for s in scan(n2, run, chash) if (s.history, s.step) == (B, 5)}
     cmd = mpirun_command(4, [sys.executable, "-c", PROGRAM, str(tmp_path)])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     results = re.findall(r"RESULT rank=(\d) coord=(\d) step=(\w+) digest=(\w+)", out.stdout)
@@ -62,7 +64,11 @@ def test_every_rank_loads_the_same_history_when_two_hold_one_step(tmp_path, monk
     want = {coord: state_digest(training_state(5.5 + coord)) for coord in (0, 1)}
     for rank, coord, step, digest in results:
         assert step == "5" and digest == want[int(coord)], (rank, coord, step, digest)
-    assert len(re.findall(rf"resumed from the local snapshot of step 5 \(history {B}", out.stdout)) == 4
-    assert len(re.findall(r"received from rank [23]", out.stdout)) == 2  # n1's ranks hold only history A
+    said = re.findall(r"resumed from the local snapshot of step .*", out.stdout)
+    assert len(said) == 1, said  # one line for the launch, not one per rank
+    assert said[0].startswith(f"resumed from the local snapshot of step 5 (history {B}, 4 rank(s)"), said
+    sums = ", ".join(f"coordinate {c} {payload_checksum(s.header)}" for c, s in sorted(b_step5.items()))
+    assert f"payload checksum of {sums};" in said[0], said  # every rank's checksum, one per coordinate
+    assert len(re.findall(r"rank [01] received from rank [23]", said[0])) == 2, said  # n1's hold only A
     # the line not followed is gone (step 6 of both, A's step 5); B's step 5 stays until the launch has its own
     assert scan(n1, run, chash) == [] and {(s.history, s.step) for s in scan(n2, run, chash)} == {(B, 5)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,14 @@ import pytest
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.launcher.runs import max_relative_param_diff, run_training
 from nanotron_recover.run.run_folder import read_metrics_jsonl, write_atomically
-from nanotron_recover.training.checkpoint import LATEST, STATE_FILE, check_resumable, resolve_checkpoint
+from nanotron_recover.training.checkpoint import (
+    LATEST,
+    STATE_FILE,
+    CheckpointManager,
+    check_resumable,
+    resolve_checkpoint,
+)
+from nanotron_recover.training.checkpoint_integrity import PUBLISHING_MARKER, read_state, verify_share
 
 STEPS, SAVE_AT = 8, 4
 TIMEOUT_S = 300
@@ -140,3 +148,106 @@ def test_a_run_started_from_resume_checkpoint_path_relaunches_from_its_own_state
     assert logged == list(range(SAVE_AT + 1, STEPS + 1))  # no step computed twice
     diff = np.abs(np.array(again.losses) - np.array(full.losses[SAVE_AT:])).max()
     assert diff <= 1e-5, f"losses differ by {diff:.2e}"
+
+
+# ------------------------------------------------------------------ the save path, in one process on real files
+class FileLayout:
+    """Two plain files per checkpoint: what ``save`` does with folders, markers and the pointer does not depend on
+    nanotron's format (the real format is saved by the jobs above)."""
+
+    def __init__(self) -> None:
+        self.fill = 1
+
+    def write(self, trainer, folder: Path, step: int) -> None:
+        (folder / "model").mkdir()
+        (folder / "model" / "w.bin").write_bytes(bytes([self.fill]) * 8192)
+        (folder / "optimizer.pt").write_bytes(b"adam" * (1000 + step))
+
+    def read(self, trainer, folder: Path) -> None:
+        pass
+
+
+class Killed(Exception):
+    """The publisher's death at a fault point of the save."""
+
+
+def _manager(tiny_config, run_dir: Path) -> CheckpointManager:
+    config = config_from_dict(tiny_config(dp=2, accumulation=2, fault_tolerance={"enabled": True}))
+    return CheckpointManager(config, run_dir, layout=FileLayout())
+
+
+def _save(manager: CheckpointManager, step: int, die_at: str | None = None) -> None:
+    """One writer that is also the publisher (a replica of one rank)."""
+    def fault_point(phase: str) -> None:
+        if phase == die_at:
+            raise Killed(phase)
+
+    manager.save(SimpleNamespace(M=4), step, writer=True, barrier=lambda: None, publisher=True,
+                 fault_point=fault_point)
+
+
+def test_a_publish_marks_its_folder_until_the_pointer_names_it(tiny_config, tmp_path):
+    """The marker is what lets a relaunch tell a writer's unfinished publish from a pointer a person moved back:
+    present from before the rename until ``latest.txt`` names the step, never in the checksummed manifest."""
+    manager = _manager(tiny_config, tmp_path)
+    _save(manager, 2)
+    with pytest.raises(Killed):
+        _save(manager, 4, die_at="checkpoint-publish")  # renamed into place, the pointer not yet written
+    root = manager.root
+    assert (root / "4" / PUBLISHING_MARKER).is_file() and (root / LATEST).read_text().strip() == "2"
+    assert PUBLISHING_MARKER not in read_state(root / "4")["files"]
+    assert verify_share(root / "4", read_state(root / "4")) == []
+    _save(manager, 4)  # the next holder saves: the folder is its own unfinished publish, the pointer follows
+    assert (root / LATEST).read_text().strip() == "4"
+    assert not (root / "4" / PUBLISHING_MARKER).exists() and not (root / "2" / PUBLISHING_MARKER).exists()
+
+
+def test_an_intact_folder_of_the_step_is_trusted_by_the_next_save(tiny_config, tmp_path):
+    """The fallback save right after an interval save of the same step writes nothing again."""
+    manager = _manager(tiny_config, tmp_path)
+    _save(manager, 4)
+    before = (manager.root / "4" / STATE_FILE).stat().st_mtime_ns
+    _save(manager, 4)
+    assert (manager.root / "4" / STATE_FILE).stat().st_mtime_ns == before
+    assert sorted(p.name for p in manager.root.iterdir()) == ["4", LATEST]
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "missing", "garbled-state", "unsealed-state"])
+def test_a_damaged_folder_of_the_step_is_set_aside_and_saved_anew(how, tiny_config, tmp_path):
+    """A folder that holds a state file is not "saved already" unless its files match: a damaged one is renamed
+    ``N.damaged`` (kept for a person) and the step is written again (before: trusted, and published)."""
+    manager = _manager(tiny_config, tmp_path)
+    _save(manager, 4)
+    folder = manager.root / "4"
+    weights, state = folder / "model" / "w.bin", folder / STATE_FILE
+    if how == "flip":
+        data = bytearray(weights.read_bytes())
+        data[100:116] = bytes(16)
+        data[100] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif how == "truncate":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif how == "missing":
+        weights.unlink()
+    elif how == "garbled-state":
+        state.write_text(state.read_text()[:40])
+    else:  # a state file without its seal and checksums
+        state.write_text(json.dumps({"step": 4, "microbatches_per_step": 4}))
+    _save(manager, 4)
+    assert (manager.root / "4.damaged").is_dir()
+    assert verify_share(folder, read_state(folder)) == [] and (folder / "model" / "w.bin").stat().st_size == 8192
+    assert (manager.root / LATEST).read_text().strip() == "4"
+
+
+def test_a_save_never_trusts_a_folder_past_the_pointer_that_is_not_its_own(tiny_config, tmp_path):
+    """An unmarked folder newer than the pointer is what a person rolled back: a save of that step writes this
+    run's state (the old folder set aside, ``N.rolled-back``) instead of publishing the dropped one."""
+    manager = _manager(tiny_config, tmp_path)
+    _save(manager, 2)
+    _save(manager, 4)  # the line a person drops
+    (manager.root / LATEST).write_text("2\n")
+    manager.layout.fill = 7  # the state of step 4 on the line trained again
+    _save(manager, 4)
+    assert (manager.root / LATEST).read_text().strip() == "4"
+    assert (manager.root / "4" / "model" / "w.bin").read_bytes() == bytes([7]) * 8192
+    assert (manager.root / "4.rolled-back" / "model" / "w.bin").read_bytes() == bytes([1]) * 8192

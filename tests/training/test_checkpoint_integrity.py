@@ -11,13 +11,14 @@ import pytest
 
 from nanotron_recover.training.checkpoint_integrity import (
     FILES_KEY,
+    PUBLISHING_MARKER,
     DamagedCheckpoint,
     manifest,
     read_state,
     sealed_state_text,
     verify_share,
 )
-from nanotron_recover.training.checkpoint_resume import LATEST, choose_intact, settle_root
+from nanotron_recover.training.checkpoint_resume import LATEST, ROLLED_BACK_SUFFIX, choose_intact, settle_root
 
 
 class OneRank:
@@ -99,14 +100,58 @@ def test_the_newest_intact_checkpoint_is_chosen_and_the_damaged_set_aside(tmp_pa
     assert any("6/optimizer.pt" in line for line in said)
 
 
-def test_a_published_folder_newer_than_its_pointer_is_adopted(tmp_path: Path) -> None:
+def test_a_published_folder_newer_than_its_pointer_is_adopted_while_it_carries_the_publish_marker(
+        tmp_path: Path) -> None:
+    """The writer died between renaming 6/ into place and the pointer: its own unfinished publish is adopted, the
+    pointer follows and the marker goes (after the pointer: a later rollback by hand must not adopt it again)."""
     for step in (3, 6):
         _checkpoint(tmp_path, step)
-    (tmp_path / LATEST).write_text("3\n")  # the writer died between publishing 6/ and the pointer
+    (tmp_path / "6" / PUBLISHING_MARKER).write_text("")
+    (tmp_path / LATEST).write_text("3\n")
     choice = choose_intact(tmp_path, None, OneRank())
-    assert choice.step == 6 and choice.damaged == []
+    assert choice.step == 6 and choice.damaged == [] and choice.rolled_back == []
     settle_root(tmp_path, choice, lambda line: None)
     assert (tmp_path / LATEST).read_text().strip() == "6"
+    assert not (tmp_path / "6" / PUBLISHING_MARKER).exists()
+
+
+def test_a_pointer_moved_back_by_hand_wins_and_the_newer_folders_are_set_aside(tmp_path: Path) -> None:
+    """A person set ``latest.txt`` from 6 back to 2 (a loss spike): the run resumes from 2; 4/ and 6/ are renamed
+    ``N.rolled-back`` (never deleted) and named in one line; the pointer stays where the person put it."""
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step)
+    (tmp_path / LATEST).write_text("2\n")
+    choice = choose_intact(tmp_path, None, OneRank())
+    assert (choice.path, choice.step, choice.damaged) == (tmp_path / "2", 2, [])
+    said: list[str] = []
+    settle_root(tmp_path, choice, said.append)
+    assert (tmp_path / LATEST).read_text().strip() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", f"4{ROLLED_BACK_SUFFIX}", f"6{ROLLED_BACK_SUFFIX}",
+                                                          LATEST]
+    named = [line for line in said if "rolled-back" in line]
+    assert len(named) == 1 and str(tmp_path / "4") in named[0] and str(tmp_path / "6") in named[0], said
+
+
+def test_a_rollback_past_an_unfinished_publish_sets_that_aside_too(tmp_path: Path) -> None:
+    """6/ still carries the marker (its writer died before the pointer) but 4/ does not: the pointer was moved back
+    by a person, past both; neither is adopted."""
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step)
+    (tmp_path / "6" / PUBLISHING_MARKER).write_text("")
+    (tmp_path / LATEST).write_text("2\n")
+    choice = choose_intact(tmp_path, None, OneRank())
+    assert choice.step == 2 and sorted(p.name for p in choice.rolled_back) == ["4", "6"]
+    settle_root(tmp_path, choice, lambda line: None)
+    assert (tmp_path / f"6{ROLLED_BACK_SUFFIX}").is_dir() and (tmp_path / LATEST).read_text().strip() == "2"
+
+
+def test_with_no_pointer_the_newest_intact_folder_is_taken(tmp_path: Path) -> None:
+    for step in (2, 4):
+        _checkpoint(tmp_path, step)
+    choice = choose_intact(tmp_path, None, OneRank())
+    assert choice.step == 4 and choice.rolled_back == []
+    settle_root(tmp_path, choice, lambda line: None)
+    assert (tmp_path / LATEST).read_text().strip() == "4" and (tmp_path / "2").is_dir()
 
 
 def test_with_nothing_intact_nothing_is_moved(tmp_path: Path) -> None:

@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from nanotron_recover.launcher.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.launcher.overrides import add_override_args, forwarded_args, load_effective_config
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
+from nanotron_recover.run.outcome import NEEDS_PERSON, OUTCOME_EXIT_CODES, judge_launch
 from nanotron_recover.run.run_folder import (
     LAUNCH_TOKEN_ENV,
-    NEEDS_PERSON,
-    OUTCOME_EXIT_CODES,
     RunFolderBusy,
     begin_launch,
     exit_reasons,
     hold_run_folder,
-    judge_launch,
     ranks_wrote_since,
 )
 
@@ -70,7 +68,8 @@ def _free_port() -> int:
 
 def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig", Path]:
     config = load_effective_config(args)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    # resolved once, here: the ranks, the launcher's /proc watches and the run folder's readers name one path
+    run_dir = (Path(args.run_dir) if args.run_dir else default_run_dir(config)).resolve()
     program = python_module_command("nanotron_recover.train", forwarded_args(args, run_dir))
     env = {"PYTHONUNBUFFERED": "1", LAUNCH_TOKEN_ENV: secrets.token_hex(4)}
     if not config.ft_enabled:
@@ -120,7 +119,8 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
                 lock: int) -> "Relauncher":
     """The launches of this command (:mod:`nanotron_recover.launcher.relauncher`)."""
     from nanotron_recover.config import FaultToleranceArgs  # the config module is loaded by now
-    from nanotron_recover.launcher.relauncher import JobSpec, Relauncher, max_restarts_setting, standby_fits
+    from nanotron_recover.launcher.relauncher import JobSpec, Relauncher, max_restarts_setting
+    from nanotron_recover.launcher.standby import standby_fits
 
     ft = config.fault_tolerance or FaultToleranceArgs()
     grace = ft.stop_grace_s if config.ft_enabled else None
@@ -217,7 +217,8 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_f
     mpirun returns 0 when the whole job was torn down (a node's daemon lost) and 1 when a rank
     ended the job with the restart outcome (a start-up timeout). Any run that did not reach its last step and
     whose ranks recorded nothing a person must fix exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it;
-    the same start-up failure on ``max_startup_failures`` launches in a row exits 2 instead."""
+    the same start-up failure, or a crash at the same step, on ``max_startup_failures`` launches in a row exits 2
+    instead (:mod:`nanotron_recover.run.outcome`)."""
     verdict, detail = judge_launch(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config),
                                    needs_final_checkpoint=config.saves_final_checkpoint,
                                    max_startup_failures=max_startup_failures)
@@ -259,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_override_args(train)
     train.add_argument("--dry-run", action="store_true", help="print the mpirun command line and exit")
     train.add_argument("--max-startup-failures", type=int, default=None, metavar="N",
-                       help="exit 2 (not 3: no requeue) once the same start-up failure ended N launches of this run "
-                            "folder in a row (default: $NANOTRON_RECOVER_MAX_STARTUP_FAILURES or 3; 0: never)")
+                       help="exit 2 (not 3: no requeue) once the same start-up failure, or a crash at the same step, "
+                            "ended N launches of this run folder in a row (default: "
+                            "$NANOTRON_RECOVER_MAX_STARTUP_FAILURES or 3; 0: never)")
     train.add_argument("--max-restarts", type=int, default=None, metavar="N",
                        help="relaunch in place (from a warm standby when one is ready) up to N times when the job "
                             "ends with the restart outcome, then exit 3 for the scheduler (default: "

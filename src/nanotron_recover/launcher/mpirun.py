@@ -138,6 +138,11 @@ def ulfm_options(prefix: Path | None) -> list[str]:
     return options + collectives
 
 
+def with_env(cmd: list[str], env: dict[str, str]) -> list[str]:
+    """``cmd`` (mpirun ...) exporting ``env`` to every rank as well."""
+    return [cmd[0], *[part for key, value in env.items() for part in ("-x", f"{key}={value}")], *cmd[1:]]
+
+
 def python_module_command(module: str, args: Sequence[str]) -> list[str]:
     """The per-rank program: this interpreter running ``python -m module args``."""
     return [sys.executable, "-u", "-m", module, *args]

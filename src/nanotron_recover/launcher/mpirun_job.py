@@ -37,6 +37,21 @@ def _die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
 
 
+def _tick_guarded(on_tick: Callable[[], None]) -> bool:
+    """Run the launcher's own work beside the job (starting a standby, a file in the run folder); False when it
+    failed. It may fail for reasons of its own (a full ``/tmp``, a failed fork, a run folder that refuses a file):
+    that must never end the watch over the job, or the job trains on with nobody to forward a stop signal or
+    judge the run. Said once; not tried again during this launch."""
+    try:
+        on_tick()
+        return True
+    except Exception as e:  # noqa: BLE001 - whatever it was, the watch over mpirun goes on
+        print(f"[nanotron-recover] the launcher's own work failed beside the job ({type(e).__name__}: {e}); not "
+              "tried again during this launch (no warm standby for the next one): the job goes on under the "
+              "launcher's watch", file=sys.stderr, flush=True)
+        return False
+
+
 class MpirunJob:
     """``mpirun`` as a child (not exec: its return code alone says too little, the run folder is judged)."""
 
@@ -103,8 +118,8 @@ class MpirunJob:
                           file=sys.stderr, flush=True)
                     end_mpirun(self.proc.pid)
                     watch = None
-                if on_tick is not None:
-                    on_tick()
+                if on_tick is not None and not _tick_guarded(on_tick):
+                    on_tick = None
             except KeyboardInterrupt:  # pragma: no cover - SIGINT has a handler while a job runs
                 continue
         for thread in self._pumps:  # the ranks' last lines; a rank's child that keeps the pipe open must not hold us
@@ -143,6 +158,7 @@ class MpirunJob:
         """End it now (SIGHUP: mpirun ends its ranks; SIGKILL if it does not go)."""
         if self.proc.poll() is not None:
             return
+        self.proc.send_signal(signal.SIGCONT)  # a stopped mpirun would hold the SIGHUP until the bound
         self.proc.send_signal(signal.SIGHUP)
         try:
             self.proc.wait(timeout=timeout_s)

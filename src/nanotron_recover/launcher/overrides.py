@@ -97,5 +97,6 @@ def load_effective_config(args: argparse.Namespace) -> "RecoverConfig":
     )
     if getattr(args, "replicas", None):
         apply_replicas(config, args.replicas)
-    check_runtime_inputs(config)
+    run_dir = getattr(args, "run_dir", None)
+    check_runtime_inputs(config, Path(run_dir) if run_dir else None)  # the run's own checkpoints are in its folder
     return config

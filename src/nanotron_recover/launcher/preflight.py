@@ -18,13 +18,15 @@ from nanotron.config import PretrainDatasetsArgs
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
 from nanotron_recover.config import ConfigError, RecoverConfig, TokenizedDatasetArgs
-from nanotron_recover.training.checkpoint import check_resumable, resolve_checkpoint
+from nanotron_recover.training.checkpoint import check_resumable, own_root, resolve_checkpoint, resumes_own_checkpoints
 
 logger = logging.getLogger(__name__)
 
 
-def check_runtime_inputs(config: RecoverConfig) -> list[str]:
-    """Raise :class:`ConfigError` on input that cannot work here; return the adjustments made (also logged)."""
+def check_runtime_inputs(config: RecoverConfig, run_dir: Path | None = None) -> list[str]:
+    """Raise :class:`ConfigError` on input that cannot work here; return the adjustments made (also logged).
+    ``run_dir``: where a relative ``checkpoints_path`` lives (None: unknown; ``resume_checkpoint_path`` is then
+    checked whenever it is set, unless an absolute checkpoint root shows the run has checkpoints of its own)."""
     notes: list[str] = []
     if config.optimizer is None:
         raise ConfigError("optimizer: section is required for training")
@@ -37,7 +39,7 @@ def check_runtime_inputs(config: RecoverConfig) -> list[str]:
         )
     if isinstance(dataset, TokenizedDatasetArgs):
         _check_token_folder(Path(dataset.dataset_folder), config)
-    _check_resume_source(config)
+    _check_resume_source(config, run_dir)
     par = config.parallelism
     if par.tp_mode is TensorParallelLinearMode.REDUCE_SCATTER and par.tp_linear_async_communication:
         par.tp_linear_async_communication = False
@@ -105,11 +107,14 @@ def check_local_snapshot_budget(config: RecoverConfig, ranks_per_node: int, run_
         )
 
 
-def _check_resume_source(config: RecoverConfig) -> None:
+def _check_resume_source(config: RecoverConfig, run_dir: Path | None) -> None:
     """An explicit ``resume_checkpoint_path`` must hold a checkpoint of the same global microbatch count M, in a
-    layout this run reads (3D: nanotron's; HSDP: shards of the same ``fsdp_shard_size``)."""
+    layout this run reads (3D: nanotron's; HSDP: shards of the same ``fsdp_shard_size``). Checked only where the
+    runtime reads it: once the run has checkpoints of its own, it resumes from those (verified, with a fallback to an
+    older intact one), so a source moved away, or the run's own root (nanotron's requeue idiom) with a damaged
+    newest folder, is no reason to refuse the launch."""
     args = config.checkpoints
-    if args is None or not args.resume_checkpoint_path:
+    if args is None or not args.resume_checkpoint_path or resumes_own_checkpoints(own_root(config, run_dir)):
         return
     key = "checkpoints.resume_checkpoint_path"
     try:

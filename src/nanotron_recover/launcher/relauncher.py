@@ -6,7 +6,8 @@ only then, or when a stop signal asked the job to end (the scheduler wants the n
 for the scheduler's requeue. While a job trains, the next one waits beside it as a warm standby
 (:mod:`nanotron_recover.process.standby_rank`): released when the job ends, it skips the launcher's and the
 ranks' start-up (mpirun, interpreters, imports); a standby that is not ready or has died gives way to a cold
-launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allows (:func:`standby_fits`);
+launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allows
+(:func:`~nanotron_recover.launcher.standby.standby_fits`);
 ``after_loss`` starts it only once the job logs a step with fewer replicas than it was launched with, then tells
 the job when it is ready (a file in the run folder, :mod:`nanotron_recover.run.in_place`), which a regrow waits
 for. A job that ends while its standby is still importing waits for it (bounded): it has a head start on a cold
@@ -20,19 +21,16 @@ job regrows at a step boundary).
 
 from __future__ import annotations
 
-import json
 import secrets
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from nanotron_recover.launcher.mpirun_job import MpirunJob
+from nanotron_recover.launcher.mpirun import with_env
 from nanotron_recover.launcher.node_fit import NodeFit
-from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
+from nanotron_recover.launcher.standby import Standby
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.in_place import (
@@ -48,14 +46,15 @@ from nanotron_recover.run.run_folder import (
     nodes_back_path,
     read_launches,
     read_metrics_jsonl,
+    read_records_after,
     standby_ready_path,
+    token_in,
 )
 
 MAX_RESTARTS_ENV = "NANOTRON_RECOVER_MAX_RESTARTS"
 DEFAULT_MAX_RESTARTS = 3
 READ_BYTES = 65536  # of metrics.jsonl, read at most per tick
 STANDBY_STARTS = 3  # standbys started per launch at most (one whose mpirun ended while it waited is replaced)
-STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
 STANDBY_WAIT_S = 60.0  # a job ended while its standby was importing: how long the launch waits for it
 
 
@@ -93,11 +92,6 @@ def with_launch_token(cmd: list[str], token: str) -> list[str]:
     return [f"{LAUNCH_TOKEN_ENV}={token}" if part.startswith(f"{LAUNCH_TOKEN_ENV}=") else part for part in cmd]
 
 
-def with_env(cmd: list[str], env: dict[str, str]) -> list[str]:
-    """``cmd`` (mpirun ...) exporting ``env`` to every rank as well."""
-    return [cmd[0], *[part for key, value in env.items() for part in ("-x", f"{key}={value}")], *cmd[1:]]
-
-
 def measured_relaunch_s(run_dir: Path) -> float | None:
     """The newest in-place relaunch of this run folder: its old job's end to its first committed step."""
     launches = [r for r in read_launches(run_dir) if isinstance(r.get("previous_job_ended"), (int, float))]
@@ -109,56 +103,6 @@ def measured_relaunch_s(run_dir: Path) -> float | None:
     return min(firsts) - newest["previous_job_ended"] if firsts else None
 
 
-def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool:
-    """``auto``: a standby of ``world_size`` ranks fits beside the job in the memory available now, with room."""
-    try:
-        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
-        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
-    except (OSError, KeyError, ValueError):
-        return False
-    return available_gb > 2.0 * world_size * STANDBY_RSS_GB + 2.0
-
-
-class Standby:
-    """The next job, started now with the same launch line, waiting before MPI is initialized."""
-
-    def __init__(self, spec: JobSpec, cmd: list[str], nodes_out: tuple[str, ...] = ()) -> None:
-        import os
-
-        self.nodes_out = nodes_out  # the nodes its launch line leaves out
-        self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
-        self.world_size = spec.world_size
-        env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
-        # In a Slurm allocation its mpirun starts the daemons of the other nodes as a second job step, which must
-        # share the allocation's CPUs with the running job's (srun --overlap; without it the step waited for the
-        # job's end on the test cluster, and the standby never got ready). On the batch node it forks its ranks.
-        overlap = {"SLURM_OVERLAP": "1"} if os.environ.get("SLURM_JOB_ID") else None
-        self.job = MpirunJob(with_env(cmd, env), graceful=spec.stop_grace_s is not None,
-                             pass_fds=spec.pass_fds, env=overlap, die_with_launcher=True)
-
-    def ready(self) -> bool:
-        return self.job.proc.poll() is None and all(ready_file(self.folder, r).exists()
-                                                     for r in range(self.world_size))
-
-    def why_not(self) -> str:
-        if self.job.proc.poll() is not None:
-            return f"its mpirun ended with {self.job.proc.returncode}"
-        missing = [r for r in range(self.world_size) if not ready_file(self.folder, r).exists()]
-        return f"rank(s) {missing[:8]} still importing"
-
-    def release(self) -> MpirunJob:
-        (self.folder / RELEASE).touch()
-        return self.job
-
-    def cancel(self) -> None:
-        (self.folder / CANCEL).touch()
-        self.job.end()
-        self.remove()
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
 class Relauncher:
     """Launch, judge, relaunch in place (warm when a standby is ready) until done or out of restarts."""
 
@@ -167,7 +111,7 @@ class Relauncher:
         self.spec, self.judge, self.begin, self.launch_cold = spec, judge, begin, launch_cold
         self.stop = LauncherStop(None, spec.stop_grace_s, say=say)
         self.standby: Standby | None = None
-        self._metrics_offset = 0  # metrics.jsonl read up to here during this launch
+        self._metrics_offset = self._launch_offset = 0  # metrics.jsonl: read up to here; where this launch began
         self._job_trained = self._job_degraded = False  # seen since this launch started
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
         self._standby_starts = 0  # standbys started during the running launch
@@ -182,10 +126,14 @@ class Relauncher:
                 code = self._one_launch()
                 if code != EXIT_RESTART or self.stop.requested or self.restarts >= self.spec.max_restarts:
                     return code
+                if self._ranks_were_stopped():
+                    say(f"the job's ranks were asked to stop (a stop signal reached them, not this launcher): no "
+                        f"relaunch in place, exit {code} for the scheduler")
+                    return code
                 if self.spec.nodes is not None:
                     fitted = self.spec.nodes.fit(say)
-                    if fitted is None:
-                        return code  # not enough nodes answer: the scheduler's turn
+                    if fitted is None or self.stop.requested:
+                        return code  # not enough nodes answer, or a stop came during the probe: the scheduler's turn
                     self.cmd, self.replicas = fitted
                 self.restarts += 1
                 how = "from the warm standby" if self._standby_fits() and self.standby.ready() else "cold"
@@ -212,8 +160,14 @@ class Relauncher:
                   **({"nodes_out": list(self._nodes_out())} if self.spec.nodes is not None else {})}
         if standby is not None and not standby.ready():
             self._wait_for(standby)
+        if self.stop.requested:  # a launch started now would only be stopped, its ranks perhaps before they can be
+            say(f"a stop signal came before launch {len(read_launches(self.spec.run_dir)) + 1} began: none is "
+                f"started (exit {EXIT_RESTART})")
+            if standby is not None:
+                standby.cancel()
+            return EXIT_RESTART
         if standby is not None and standby.ready():
-            self.begin({**record, "warm": True})
+            self.begin({**record, "warm": True, "token": standby.token})
             job = standby.release()
             self.stop.attach(job.proc)
             rc = job.wait(self.spec.run_dir, self.spec.finalize_timeout_s, self.stop, self._tick)
@@ -222,21 +176,22 @@ class Relauncher:
             if standby is not None:
                 say(f"the warm standby is not ready ({standby.why_not()}): a cold launch")
                 standby.cancel()
-            self.begin({**record, "warm": False})
-            rc = self.launch_cold(self._command(self.restarts), self.stop, self._tick)
+            cmd = self._command(self.restarts)
+            self.begin({**record, "warm": False, "token": token_in(cmd)})
+            rc = self.launch_cold(cmd, self.stop, self._tick)
         self._previous_ended = time.time()
         return self.judge(rc)
 
     def _wait_for(self, standby: Standby) -> None:
         """The job ended while its standby was still importing: wait for it (bounded), as a cold launch would
         import the same from the start."""
-        if standby.job.proc.poll() is not None or self.stop.requested:
+        if standby.ended() or standby.broken() is not None or self.stop.requested:
             return
         say(f"waiting for the warm standby ({standby.why_not()})")
         deadline = time.monotonic() + STANDBY_WAIT_S
-        while not standby.ready() and standby.job.proc.poll() is None and not self.stop.requested \
+        while not standby.ready() and not standby.ended() and standby.broken() is None and not self.stop.requested \
                 and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.05)
 
     def _mark_start(self) -> None:
         self._standby_starts, self._back_heard = 0, None
@@ -244,7 +199,7 @@ class Relauncher:
         standby_ready_path(self.spec.run_dir).unlink(missing_ok=True)
         nodes_back_path(self.spec.run_dir).unlink(missing_ok=True)
         path = metrics_path(self.spec.run_dir)
-        self._metrics_offset = path.stat().st_size if path.exists() else 0
+        self._metrics_offset = self._launch_offset = path.stat().st_size if path.exists() else 0
 
     def _tick(self) -> None:
         """While a job runs: start the standby once the job has logged a step (its start-up, which the standby's
@@ -255,20 +210,21 @@ class Relauncher:
         if self._watch_nodes() or not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
             return
         if self.standby is not None:
-            if self.standby.job.proc.poll() is None:
-                ready = standby_ready_path(self.spec.run_dir)
+            ready = standby_ready_path(self.spec.run_dir)
+            if not self.standby.ended() and self.standby.broken() is None:
                 if self.spec.standby_after_loss and not ready.exists() and self.standby.ready():
                     ready.touch()
                 return
             say(f"the warm standby ended while waiting ({self.standby.why_not()})"
                 + ("; starting another" if self._standby_starts < STANDBY_STARTS else "; no other this launch"))
+            ready.unlink(missing_ok=True)  # the job must not count on it any more
             self.standby.cancel()
             self.standby = None
         self._read_new_steps()
         wanted = self._job_degraded if self.spec.standby_after_loss else self._job_trained
         if self._standby_starts < STANDBY_STARTS and wanted:
             self._standby_starts += 1
-            self.standby = Standby(self.spec, self._command(self.restarts + 1), self._nodes_out())
+            self.standby = self._new_standby(self._command(self.restarts + 1), self._nodes_out())
 
     def _watch_nodes(self) -> bool:
         """A job run narrower: once a node it left out answers again, keep a standby at full width (one of the
@@ -285,16 +241,21 @@ class Relauncher:
         if not self.spec.standby:
             back.touch()
             return False
-        if self.standby is not None and (self.standby.nodes_out or self.standby.job.proc.poll() is not None):
+        if self.standby is not None and (self.standby.nodes_out or self.standby.ended()
+                                         or self.standby.broken() is not None):
             self.standby.cancel()  # shaped for the narrower job, or its mpirun ended
             self.standby = None
         if self.standby is None and self._standby_starts < STANDBY_STARTS:
             self._standby_starts += 1
             say("starting the warm standby at full width for the regrow")
-            self.standby = Standby(self.spec, self._command(self.restarts + 1, full_width=True), ())
+            self.standby = self._new_standby(self._command(self.restarts + 1, full_width=True), ())
         if self.standby is None or self.standby.ready() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S:
             back.touch()
         return True
+
+    def _new_standby(self, cmd: list[str], nodes_out: tuple[str, ...]) -> Standby:
+        return Standby(cmd, self.spec.world_size, graceful=self.spec.stop_grace_s is not None,
+                       pass_fds=self.spec.pass_fds, nodes_out=nodes_out)
 
     def _command(self, restarts: int, full_width: bool = False) -> list[str]:
         """The launch line of the job that follows ``restarts`` relaunches (at ``full_width``, else the running
@@ -317,21 +278,16 @@ class Relauncher:
         """Read the step records this launch appended to ``metrics.jsonl`` since the last tick (whole lines)."""
         if self._job_degraded or (self._job_trained and not self.spec.standby_after_loss):
             return  # nothing more to learn
-        path = metrics_path(self.spec.run_dir)
-        try:
-            with path.open("rb") as f:
-                f.seek(self._metrics_offset)
-                data = f.read(READ_BYTES)
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1
-        self._metrics_offset += end
-        for line in data[:end].splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "event" not in record and "step" in record:
+        records, self._metrics_offset = read_records_after(metrics_path(self.spec.run_dir), self._metrics_offset,
+                                                           READ_BYTES)
+        for record in records:
+            if "event" not in record and "step" in record:
                 self._job_trained = True
                 live = record.get("live_replicas")
                 self._job_degraded |= isinstance(live, int) and live < self.replicas
+
+    def _ranks_were_stopped(self) -> bool:
+        """The ranks of the launch that just ended stopped on a stop signal of their own (``scancel --signal``
+        reaches the job's steps, not the launcher): the scheduler asked for the nodes, no relaunch in place."""
+        records, _ = read_records_after(metrics_path(self.spec.run_dir), self._launch_offset)
+        return any(r.get("event") == "stop_signal" for r in records)

@@ -149,10 +149,12 @@ def _param_name(relative: Path) -> str:
 
 def rank_processes(run_dir: Path) -> dict[int, int]:
     """``{pid: world rank}`` of every live process of this run's ranks: a rank, and during start-up its watchdog
-    (a fork of it). mpirun's own command line names the run dir too and does not count; nor do zombies."""
+    (a fork of it). mpirun's own command line names the run dir too and does not count; nor do zombies. The ranks
+    name the resolved folder (:func:`~nanotron_recover.launcher.overrides.forwarded_args`): a relative path or one
+    through a symlink is resolved here too, or no rank would ever match."""
     from nanotron_recover.process.watchdog import MPI_DAEMONS
 
-    needle = str(run_dir).encode()
+    needle = str(Path(run_dir).resolve()).encode()
     out: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -171,6 +173,14 @@ def rank_processes(run_dir: Path) -> dict[int, int]:
         if rank is not None and not _waiting_standby(environ):
             out[int(entry)] = rank
     return out
+
+
+def environ_of(pid: int) -> list[bytes] | None:
+    """The environment ``pid`` was started with (``NAME=value`` entries), or None when it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
 
 
 def _waiting_standby(environ: list[bytes]) -> bool:
@@ -233,9 +243,12 @@ def mpirun_pid(launcher_pid: int) -> int | None:
 def kill_run_processes(run_dir: Path, launcher: subprocess.Popen) -> None:
     """SIGKILL a launched job whole, as a lost node does to an ``mpirun`` here: the launcher's process group and
     every process naming ``run_dir`` (Open MPI puts its ranks in groups of their own); wait until none is left."""
-    os.killpg(launcher.pid, signal.SIGKILL)
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the launcher and its group ended already: what names the run dir may not have
+        pass
     launcher.wait(timeout=60)
-    needle = str(run_dir).encode()
+    needle = str(Path(run_dir).resolve()).encode()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         left = []

@@ -20,7 +20,9 @@ within the replica and ``signal`` says what happens to the process:
 For ``reduce`` the reduction loop calls ``maybe_fail(step, "reduce")`` after its first bucket was sent, so the
 fault lands mid-reduction. Phase ``startup`` fires before the first step, at the point named by ``at``
 (:data:`STARTUP_POINTS`); its ``step`` must be 0. A marker file per fired entry (``<run_dir>/injected/``) makes a
-fault happen once per run (a relaunch that resumes does not fire it again) and records what fired and when.
+fault happen once per run (a relaunch that resumes does not fire it again) and records what fired and when; an
+entry with ``every_launch: true`` fires once in every launch instead, as a crash that a bad sample or a faulty
+device brings back at the same step would.
 
 This module must stay light (standard library only): it runs before ``MPI_Init``.
 """
@@ -58,6 +60,7 @@ class FailureSpec:
     signal: str = "kill"
     at: str | None = None  # phase "startup" only: one of STARTUP_POINTS (default: after_mpi_init)
     factor: float | None = None  # signal "slow" only: how many times slower each microbatch becomes (> 1)
+    every_launch: bool = False  # fire in every launch, not once per run: a crash that comes back (a bad sample)
 
     def problems(self) -> list[tuple[str, str]]:
         """``(field, message)`` for every value that cannot work, whatever the config (empty: valid)."""
@@ -104,7 +107,7 @@ class FailureSpec:
         spec = cls(
             int(d["step"]), int(d["replica"]), int(d.get("rank", 0)), str(d.get("phase", "backward")),
             str(d.get("signal", "kill")), None if d.get("at") is None else str(d["at"]),
-            None if d.get("factor") is None else float(d["factor"]),
+            None if d.get("factor") is None else float(d["factor"]), bool(d.get("every_launch", False)),
         )
         bad = spec.problems()
         if bad:
@@ -122,9 +125,11 @@ def parse_schedule(schedule: Iterable[Mapping[str, Any] | FailureSpec] | str | N
 
 
 def marker_name(spec: FailureSpec) -> str:
-    """The marker file of a fired entry: ``step{s}-replica{r}-rank{k}-{phase}[-{signal}]`` (kill adds nothing)."""
+    """The marker file of a fired entry: ``step{s}-replica{r}-rank{k}-{phase}[-{signal}][-launch-{token}]`` (kill
+    adds nothing; an ``every_launch`` entry is marked per launch, so that each launch fires it once)."""
     name = f"step{spec.step}-replica{spec.replica}-rank{spec.rank}-{spec.point.replace(':', '.')}"
-    return name if spec.signal == "kill" else f"{name}-{spec.signal}"
+    name = name if spec.signal == "kill" else f"{name}-{spec.signal}"
+    return f"{name}-launch-{run_folder.launch_token()}" if spec.every_launch else name
 
 
 class FailureInjector:

@@ -7,17 +7,20 @@ training stack, says so with ``ready-<rank>`` in that folder, and waits. When th
 outcome, the launcher writes ``go``: the ranks initialize MPI and start as a cold launch would, from the start-up
 guard on, seconds sooner (the imports were ~2.2 s of a rank's start here). A standby never outlives its launcher:
 it exits as soon as the launcher is gone or writes ``cancel`` (and the launcher started its ``mpirun`` with a
-parent-death signal as well).
+parent-death signal as well). A standby that a stop signal reached exits too: a launch started from it would stop
+after its first step (the launcher sees it gone and replaces it).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Callable
 
 from nanotron_recover.process.startup_clock import STARTUP
+from nanotron_recover.process.stop_request import STOP
 
 STANDBY_ENV = "NANOTRON_RECOVER_STANDBY"  # the standby's folder
 LAUNCHER_PID_ENV = "NANOTRON_RECOVER_LAUNCHER_PID"
@@ -40,11 +43,11 @@ def wait_until_released(folder: Path, prepare: Callable[[], None]) -> None:
     the launcher is gone."""
     prepare()
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    ready_file(folder, rank).write_text(str(os.getpid()))
+    ready_file(folder, rank).write_text(f"{os.getpid()} {socket.gethostname()}")  # the launcher watches it by pid
     launcher, parent = int(os.environ.get(LAUNCHER_PID_ENV, "0")), os.getppid()
     checked = 0.0
     while not (folder / RELEASE).exists():
-        if (folder / CANCEL).exists():
+        if (folder / CANCEL).exists() or STOP.requested:  # asked to stop: carry that into no launch, leave
             os._exit(0)
         now = time.monotonic()
         if now - checked > 0.1:  # the launcher gone, or this rank's MPI daemon (then it was reparented)

@@ -286,16 +286,10 @@ class ResilientDataParallel(DataParallelStrategy):
         self._drop_replica_if_pooled(services)
         return changes
 
-    def _recover(
-        self,
-        services: StepServices,
-        step: int,
-        plan: Plan,
-        repaired: list[RepairEvent] | None = None,
-        since_epoch: int | None = None,
-    ) -> tuple[Plan, list[int]]:
+    def _recover(self, services: StepServices, step: int, plan: Plan, repaired: list[RepairEvent] | None = None,
+                 since_epoch: int | None = None) -> tuple[Plan, list[int]]:
         """Repair (unless ``repaired`` says it was done), restore the local sums, and hand the failed replicas'
-        microbatches to the survivors."""
+        microbatches (logged: a crash that comes back at this step is named by them) to the survivors."""
         if repaired is not None:
             events = repaired
         else:
@@ -304,11 +298,13 @@ class ResilientDataParallel(DataParallelStrategy):
             events = [e for e in self.ft.events if e.epoch > since_epoch] if since_epoch is not None else [event]
         failed = sorted({r for event in events for r in event.failed_replicas})
         survivors = [r for r in plan if r not in failed]
+        orphans = orphans_of(plan, failed) if self.keep_global_batch else []
+        if orphans:
+            services.metrics.log_event({"event": "orphaned", "step": step, "microbatches": orphans})
         if not survivors or self.roster.below_minimum(self.min_replicas):
             raise BelowMinimumReplicas(len(survivors), self.min_replicas, last_committed_step=step - 1)
         if self.buckets is not None and self.buckets.has_snapshot(step):
             self.buckets.restore(step)
-        orphans = orphans_of(plan, failed) if self.keep_global_batch else []
         extra = replan_orphans(orphans, survivors, plan, self.step_stats.weights(survivors))
         return merge(plan, extra, failed), (extra.get(self.replica, []) if self.replica is not None else [])
 
@@ -359,11 +355,12 @@ class ResilientDataParallel(DataParallelStrategy):
         return self.config.checkpoints is not None and (
             self.config.fault_tolerance.checkpoint_on_stop or not self.snapshot_schedule.enabled)
 
-    def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
+    def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None,
+                                   rolled_back: bool = False) -> int | None:
         self.snapshots = LocalSnapshots.for_config(self.config, self.lifecycle.run_dir or Path("."), self.ft,
                                                    self.replica, self.local_rank)
         self.progress(0, Phase.LOCAL_SNAPSHOT_RESUME)
-        return self.snapshots.resume(state, newer_than)
+        return self.snapshots.resume(state, newer_than, rolled_back)
 
     def finish(self, step: int, services: StepServices) -> None:
         self.lifecycle.finish(repair=lambda: self._repair(services, step, "end"))

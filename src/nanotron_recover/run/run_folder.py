@@ -8,7 +8,7 @@ One run folder (``--run-dir``) holds everything a run leaves behind, over all th
     exits/rank-<r>.json  how each rank of the current launch ended (``code``, ``reason``); a SIGKILLed rank leaves none
     launches.jsonl       one record per launch (time, world size, M, train steps, who launched it)
     launches/<n>/exits/  the exit records of launch n, moved there when launch n + 1 begins
-    outcomes.jsonl       how each launch was judged (done, restart, needs_person), for the start-up failure count
+    outcomes.jsonl       how each launch was judged (:mod:`nanotron_recover.run.outcome`), for the repeat counts
     injected/<name>      one JSON record per fired fault of the schedule, and a marker per fault sent from outside
     hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
     checkpoints/         nanotron checkpoints and ``latest.txt`` (the path is configurable)
@@ -28,9 +28,6 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any, Sequence
-
-from nanotron_recover.run.disk_space import NEARLY_FULL_BYTES, free_bytes, full_disk_line
-from nanotron_recover.run.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
 
 METRICS_FILE = "metrics.jsonl"
 RUN_ID_FILE = "run_id.txt"
@@ -77,10 +74,14 @@ def write_json_atomically(path: Path, record: dict[str, Any]) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """One ``write`` of one line on an ``O_APPEND`` descriptor: never interleaves with another writer's lines."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """One ``write`` of one line on an ``O_APPEND`` descriptor: never interleaves with another writer's lines. A
+    writer killed mid-line left a torn line without its newline: the new line starts on a line of its own, or it
+    would be lost with the torn one."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (line.rstrip("\n") + "\n").encode())
+        size = os.fstat(fd).st_size
+        torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        os.write(fd, (("\n" if torn else "") + line.rstrip("\n") + "\n").encode())
     finally:
         os.close(fd)
 
@@ -126,8 +127,8 @@ def metrics_path(run_dir: Path) -> Path:
 
 
 def append_metrics_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """A record from a rank that is not the logging rank (a hang event): one appended line."""
-    append_line(metrics_path(run_dir), json.dumps(record, default=str))
+    """A record from a rank that is not the logging rank (a hang event): one appended line, naming its launch."""
+    append_line(metrics_path(run_dir), json.dumps({**record, "launch": launch_token()}, default=str))
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -150,6 +151,30 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+def read_records_after(path: Path, offset: int, max_bytes: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects on the whole lines of ``path`` from byte ``offset`` on, and the offset after the last whole
+    line (a line still being written waits for its end). ``max_bytes`` bounds one read, but a line longer than
+    that (an event listing hundreds of files) is read whole, never left in the way of the lines after it."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(max_bytes if max_bytes is not None else -1)
+            while max_bytes is not None and b"\n" not in data and (more := f.read(max_bytes)):
+                data += more
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records, offset + end
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -241,6 +266,8 @@ def begin_launch(run_dir: Path, record: dict[str, Any]) -> int:
     exits = run_dir / EXITS_DIR
     if exits.is_dir() and any(exits.iterdir()):
         archive = run_dir / LAUNCHES_DIR / str(number - 1)
+        while (archive / EXITS_DIR).exists():  # a launch whose record was torn left no number of its own
+            archive = archive.with_name(f"{archive.name}+")
         archive.mkdir(parents=True, exist_ok=True)
         os.replace(exits, archive / EXITS_DIR)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -271,6 +298,18 @@ def read_launches(run_dir: Path) -> list[dict[str, Any]]:
 LOCK_FILE = ".launch.lock"
 LOCK_WAIT_ENV = "NANOTRON_RECOVER_LOCK_WAIT_S"
 LAUNCH_TOKEN_ENV = "NANOTRON_RECOVER_LAUNCH_TOKEN"  # one per launch: the temporary names its writers use
+
+
+def launch_token() -> str | None:
+    """This rank's launch token (the launcher gives each launch its own): every line a rank writes into the run
+    folder names it, so a reader tells the launches apart (a rank of an old launch writing late shows)."""
+    return os.environ.get(LAUNCH_TOKEN_ENV)
+
+
+def token_in(cmd: Sequence[str]) -> str | None:
+    """The launch token that the launch line ``cmd`` gives its ranks (``-x NAME=token``)."""
+    prefix = f"{LAUNCH_TOKEN_ENV}="
+    return next((part[len(prefix):] for part in cmd if part.startswith(prefix)), None)
 
 
 class RunFolderBusy(RuntimeError):
@@ -382,104 +421,3 @@ def latest_step(root: Path) -> int | None:
 def latest_checkpoint_step(run_dir: Path, checkpoints_path: str = "checkpoints") -> int | None:
     """The step that the run's ``latest.txt`` names, or None."""
     return latest_step(checkpoints_root(run_dir, checkpoints_path))
-
-
-# ------------------------------------------------------------------------------------------------ outcome
-NEEDS_PERSON = "needs_person"
-OUTCOME_EXIT_CODES = {"done": EXIT_DONE, NEEDS_PERSON: EXIT_NEEDS_PERSON, "aborted": EXIT_NEEDS_PERSON,
-                      "restart": EXIT_RESTART}
-OUTCOMES_FILE = "outcomes.jsonl"
-MAX_STARTUP_FAILURES_ENV = "NANOTRON_RECOVER_MAX_STARTUP_FAILURES"
-DEFAULT_MAX_STARTUP_FAILURES = 3
-
-
-def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_path: str = "checkpoints", *,
-                needs_final_checkpoint: bool = False) -> tuple[str, str]:
-    """Was a job finished, or must it be relaunched? ``("done" | "restart" | "needs_person" | "aborted", detail)``.
-
-    ``done``: the last step (``train_steps``) was checkpointed, or, for a run that writes no checkpoints
-    (``needs_final_checkpoint`` false), logged: a job torn down inside its final save logged every step but holds
-    an older model on disk, and a relaunch writes the final one. ``needs_person``: mpirun returned 2 or a rank
-    recorded 2 (bad input, damaged state with no intact fallback, a full disk, a non-finite step: relaunching
-    cannot help). ``aborted``: a rank's exit record says it aborted the job on a bug (exit 1: the same error
-    would come back). Else ``restart``: the trainer stopped below ``min_replicas`` (rc 3), a start-up fault or an
-    unresolvable hang ended the job (rc 3), or the job was torn down from outside with mpirun returning 0: a lost
-    node's daemon ends every rank on this Open MPI, and those ranks leave no exit record (the detail counts them).
-    """
-    last = last_logged_step(run_dir)
-    ckpt = latest_checkpoint_step(run_dir, checkpoints_path)
-    exits = read_exits(run_dir)
-    codes = sorted({int(e.get("code", -1)) for e in exits.values()})
-    detail = (f"last logged step {last}/{train_steps}, mpirun rc {mpirun_rc}, latest checkpoint {ckpt}, "
-              f"exit records {len(exits)} (codes {codes})")
-    if EXIT_NEEDS_PERSON in codes:  # even past the last step: the newest checkpoint was found damaged
-        return NEEDS_PERSON, detail
-    if (ckpt is not None and ckpt >= train_steps) or (last >= train_steps and not needs_final_checkpoint):
-        return "done", detail
-    if mpirun_rc == EXIT_NEEDS_PERSON:
-        return NEEDS_PERSON, detail
-    if EXIT_ABORTED in codes:
-        return "aborted", detail
-    return "restart", detail
-
-
-def judge_launch(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_path: str = "checkpoints", *,
-                 needs_final_checkpoint: bool = False, max_startup_failures: int | None = None) -> tuple[str, str]:
-    """:func:`run_outcome`, recorded in ``outcomes.jsonl``; a restart that repeats a start-up failure (no step
-    committed by this launch, the same reasons as the launches before it) for the ``max_startup_failures``-th time
-    in a row becomes ``needs_person``: a requeue would meet it again, all night. The count lives in the run folder,
-    so it holds across Slurm requeues (each a new launcher)."""
-    verdict, detail = run_outcome(run_dir, train_steps, mpirun_rc, checkpoints_path,
-                                  needs_final_checkpoint=needs_final_checkpoint)
-    free = free_bytes(run_dir)
-    if verdict == "restart" and free is not None and free < NEARLY_FULL_BYTES:  # too full even for exit records
-        kept = f"latest checkpoint {latest_checkpoint_step(run_dir, checkpoints_path)}; {detail}"
-        return NEEDS_PERSON, full_disk_line(Path(run_dir), kept)
-    launches = read_launches(run_dir)
-    started = float(launches[-1]["time"]) if launches else 0.0
-    stepped = any(isinstance(r.get("time"), (int, float)) and r["time"] >= started
-                  for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r)
-    reasons = sorted({re.sub(r"\d+", "#", str(e.get("reason", ""))) for e in read_exits(run_dir).values()})
-    signature = "; ".join(reasons)
-    record = {"launch": len(launches), "verdict": verdict, "stepped": stepped, "signature": signature,
-              "reasons": reasons, "time": time.time()}
-    append_line(Path(run_dir) / OUTCOMES_FILE, json.dumps(record))
-    limit = max_startup_failures if max_startup_failures is not None else max_startup_failures_setting()
-    repeated = repeated_startup_failures(read_metrics_jsonl(Path(run_dir) / OUTCOMES_FILE))
-    if verdict == "restart" and limit > 0 and repeated >= limit:
-        why = signature or "no exit record"
-        return NEEDS_PERSON, (f"the same start-up failure on {repeated} launches in a row ({why}): a relaunch would "
-                              f"meet it again; {detail}")
-    return verdict, detail
-
-
-def repeated_startup_failures(outcomes: Sequence[dict[str, Any]]) -> int:
-    """How many of the newest launches in a row ended in a restart without committing a step, for a reason the
-    newest launch also gave (0 if the newest did not). A shared reason, not equal sets: which secondary reasons
-    get written (a survivor's "process failure" while the job is being ended) is a race, the cause is not."""
-    by_launch = {record.get("launch"): record for record in outcomes}  # a launch judged twice counts once
-    outcomes = [by_launch[k] for k in sorted(by_launch, key=lambda k: k if isinstance(k, int) else -1)]
-    newest = set(_reasons(outcomes[-1])) if outcomes else set()
-    count = 0
-    for record in reversed(outcomes):
-        reasons = set(_reasons(record))
-        if record.get("verdict") != "restart" or record.get("stepped") or \
-                not (reasons & newest or reasons == newest):
-            break
-        count += 1
-    return count
-
-
-def _reasons(outcome: dict[str, Any]) -> list[str]:
-    """The reasons an outcome record names (older records kept only the joined ``signature``)."""
-    reasons = outcome.get("reasons")
-    if isinstance(reasons, list):
-        return [str(r) for r in reasons]
-    signature = str(outcome.get("signature", ""))
-    return signature.split("; ") if signature else []
-
-
-def max_startup_failures_setting() -> int:
-    """``NANOTRON_RECOVER_MAX_STARTUP_FAILURES`` (default 3; 0: never stop requeueing)."""
-    value = os.environ.get(MAX_STARTUP_FAILURES_ENV, "")
-    return int(value) if value.strip().isdigit() else DEFAULT_MAX_STARTUP_FAILURES

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-from nanotron_recover.snapshots.format import read_header
+from nanotron_recover.snapshots.format import DamagedHeader, read_header
 from nanotron_recover.snapshots.store import _say, _valid_id
 
 SUFFIX = ".snap"
@@ -58,13 +58,18 @@ class Snapshot:
 
 def scan(folder: Path, run_id: str, config_hash: str, log: Callable[[str], None] = print) -> list[Snapshot]:
     """Complete snapshots of this run in ``folder``; files of another run or config, or not this user's private
-    ones, are refused (and said so)."""
+    ones, are refused (and said so). A file whose header fails its checksum is damaged: deleted, as a payload that
+    fails its own is at the agreement, so that no launch tries it again."""
     found: list[Snapshot] = []
     if not Path(folder).is_dir():
         return found
     for path in sorted(Path(folder).glob(f"*{SUFFIX}")):
         try:
             header, n = read_header(path)
+        except DamagedHeader as e:
+            path.unlink(missing_ok=True)
+            _say(log, f"local snapshot {path} is damaged ({e}): deleted; not used")
+            continue
         except (OSError, ValueError) as e:
             _say(log, f"local snapshot {path} is unreadable or not this user's ({e}); not used")
             continue

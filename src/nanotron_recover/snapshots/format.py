@@ -1,11 +1,15 @@
-"""The snapshot file format: a fixed binary header and JSON (never pickle), the payload's checksum, and reading a
-payload into state tensors piece by piece."""
+"""The snapshot file format: a fixed binary header and JSON (never pickle), the checksums of the header and of the
+payload, and reading a payload into state tensors piece by piece.
+
+``NRSNAP03 | u32 header length | u64 xxh3-64 of the header JSON | header JSON | payload``. The header's checksum
+(new in 03) covers everything applied at resume besides the tensors: the extras (LR scheduler state, optimizer group
+settings), the step, the layout and the payload's checksum; it is checked before the JSON is even parsed. Files of
+02 (header unchecked) are not read: a relaunch right after an upgrade resumes from the disk checkpoint instead."""
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Sequence
 
@@ -15,10 +19,10 @@ import xxhash
 from nanotron_recover.snapshots.store import open_private
 from nanotron_recover.training.training_state import local_tensor
 
-MAGIC = b"NRSNAP02"
+MAGIC = b"NRSNAP03"
 CHUNK_BYTES = 16 * 2**20  # a relaunch's transfer and reads go in pieces of this size: bounded memory
 MAX_HEADER_BYTES = 64 * 2**20
-_U32 = struct.Struct("<I")
+_PREFIX = struct.Struct("<IQ")  # the header JSON's length and xxh3-64
 
 
 def _to_json(value: Any) -> Any:
@@ -53,69 +57,72 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
+class DamagedHeader(ValueError):
+    """A header that does not match its checksum: the file is damaged (deleted where found, like a bad payload)."""
+
+
 def encode_header(header: dict) -> bytes:
-    """``MAGIC | u32 length | JSON``: the bytes in front of the payload."""
+    """``MAGIC | u32 length | u64 xxh3-64 | JSON``: the bytes in front of the payload."""
     head = json.dumps(header, allow_nan=True).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise ValueError(f"snapshot header of {len(head)} bytes (at most {MAX_HEADER_BYTES})")
-    return MAGIC + _U32.pack(len(head)) + head
+    return MAGIC + _PREFIX.pack(len(head), xxhash.xxh3_64_intdigest(head)) + head
+
+
+def _check_magic(magic: bytes) -> None:
+    if magic == MAGIC:
+        return
+    older = f" ({magic.decode('ascii', 'replace')}, an earlier version's: this one reads {MAGIC.decode()})"
+    known = len(magic) == len(MAGIC) and magic.startswith(b"NRSNAP")
+    raise ValueError("not a snapshot file of this format" + (older if known else ""))
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
-    """(header, its length in bytes) from the start of a snapshot; ValueError on anything else."""
+    """(header, its length in bytes) from the start of a snapshot, its checksum checked; DamagedHeader on a
+    mismatch, ValueError on anything else."""
     view = memoryview(data)
-    start = len(MAGIC) + _U32.size
-    if len(view) < start or bytes(view[: len(MAGIC)]) != MAGIC:
-        raise ValueError("not a snapshot file of this format")
-    (n,) = _U32.unpack(view[len(MAGIC) : start])
+    start = len(MAGIC) + _PREFIX.size
+    _check_magic(bytes(view[: len(MAGIC)]))
+    if len(view) < start:
+        raise ValueError("not a snapshot file of this format (cut short)")
+    n, digest = _PREFIX.unpack(view[len(MAGIC) : start])
     if n > MAX_HEADER_BYTES or len(view) < start + n:
         raise ValueError(f"snapshot header of {n} bytes is cut or too long")
+    head = bytes(view[start : start + n])
+    if xxhash.xxh3_64_intdigest(head) != digest:
+        raise DamagedHeader("snapshot header checksum mismatch")
     try:
-        header = json.loads(bytes(view[start : start + n]))
+        header = json.loads(head)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"snapshot header is not JSON: {e}") from None
-    if (not isinstance(header, dict) or not {"step", "coord", "payload_bytes", "tensors"} <= set(header)
-            or not {"checksum", "crc32"} & set(header)):
+    if not isinstance(header, dict) or not {"step", "coord", "payload_bytes", "tensors", "checksum"} <= set(header):
         raise ValueError("snapshot header lacks fields")
     return header, start + n
 
 
-CHECKSUM_KIND = "xxh3_64"  # new files; "crc32" (files of earlier versions) is still read
 WRITE_PIECE_BYTES = 2**20  # a write checksums and writes this much at a time: the bytes are read from cache
 
 
 class PayloadHash:
-    """A payload's streaming checksum. xxh3-64 runs at about three times zlib's CRC-32 on these machines and, with
-    the write, is most of a snapshot's cost on the step path (``benchmarks/overhead.py --breakdown``)."""
+    """A payload's streaming xxh3-64 checksum: about three times zlib's CRC-32 (which earlier versions used) on
+    these machines; with the write, most of a snapshot's cost on the step path (``benchmarks/overhead.py
+    --breakdown``)."""
 
-    def __init__(self, kind: str = CHECKSUM_KIND) -> None:
-        if kind not in ("xxh3_64", "crc32"):
-            raise ValueError(f"unknown snapshot checksum {kind!r}")
-        self._xxh = xxhash.xxh3_64() if kind == "xxh3_64" else None
-        self._crc = 0
+    def __init__(self) -> None:
+        self._xxh = xxhash.xxh3_64()
 
     def update(self, piece: bytes | bytearray | memoryview) -> None:
-        if self._xxh is not None:
-            self._xxh.update(piece)
-        else:
-            self._crc = zlib.crc32(piece, self._crc)
+        self._xxh.update(piece)
 
     @property
     def value(self) -> str:
-        """``kind:hex``, of a fixed width for a kind (the header is written before the payload is hashed)."""
-        return f"xxh3_64:{self._xxh.intdigest():016x}" if self._xxh is not None else f"crc32:{self._crc:08x}"
+        """``xxh3_64:hex``, of a fixed width (the header is written before the payload is hashed)."""
+        return f"xxh3_64:{self._xxh.intdigest():016x}"
 
 
 def payload_checksum(header: dict) -> str:
     """The checksum a header records for its payload, as :attr:`PayloadHash.value` writes it."""
-    if "checksum" in header:
-        return str(header["checksum"])
-    return f"crc32:{int(header['crc32']):08x}"
-
-
-def hash_for(header: dict) -> PayloadHash:
-    """A fresh hash of the kind ``header``'s checksum is."""
-    return PayloadHash(payload_checksum(header).split(":", 1)[0])
+    return str(header["checksum"])
 
 
 def check_payload(header: dict, hashed: PayloadHash) -> None:
@@ -126,10 +133,11 @@ def check_payload(header: dict, hashed: PayloadHash) -> None:
 def read_header(path: Path) -> tuple[dict, int]:
     """(header, header length) of a snapshot file of this user (ValueError / StoreRefused otherwise)."""
     with open_private(path) as f:
-        prefix = f.read(len(MAGIC) + _U32.size)
-        if len(prefix) < len(MAGIC) + _U32.size:
-            raise ValueError("not a snapshot file of this format")
-        (n,) = _U32.unpack(prefix[len(MAGIC) :])
+        prefix = f.read(len(MAGIC) + _PREFIX.size)
+        _check_magic(prefix[: len(MAGIC)])
+        if len(prefix) < len(MAGIC) + _PREFIX.size:
+            raise ValueError("not a snapshot file of this format (cut short)")
+        n, _ = _PREFIX.unpack(prefix[len(MAGIC) :])
         return decode_header(prefix + f.read(min(n, MAX_HEADER_BYTES)))
 
 
@@ -138,12 +146,12 @@ def extras_of(header: dict) -> dict:
 
 
 def parse(data: bytes | bytearray | memoryview) -> tuple[dict, dict, memoryview]:
-    """(header, extras, payload) of a whole snapshot file's bytes; the payload's checksum is checked."""
+    """(header, extras, payload) of a whole snapshot file's bytes; both checksums are checked."""
     header, start = decode_header(data)
     payload = memoryview(data)[start:]
     if len(payload) != header["payload_bytes"]:
         raise ValueError(f"payload of {len(payload)} bytes, header says {header['payload_bytes']}")
-    hashed = hash_for(header)
+    hashed = PayloadHash()
     hashed.update(payload)
     check_payload(header, hashed)
     return header, extras_of(header), payload
@@ -171,7 +179,7 @@ class PayloadSink:
             raise ValueError("the snapshot's tensors do not match this rank's state (another model or layout)")
         self._targets = [_raw_bytes(t) for t in tensors]
         self._index, self._offset, self.received = 0, 0, 0
-        self.hashed = hash_for(header)
+        self.hashed = PayloadHash()
 
     def feed(self, piece: bytes | bytearray | memoryview) -> None:
         view = memoryview(piece)
@@ -215,9 +223,9 @@ def _pieces(f: BinaryIO, n: int, buffer: bytearray) -> Iterable[memoryview]:
 
 
 def verify_file(path: Path, chunk: int = CHUNK_BYTES) -> dict:
-    """The header of a complete, undamaged snapshot file (its payload's checksum checked, piece by piece)."""
+    """The header of a complete, undamaged snapshot file (both checksums checked, the payload piece by piece)."""
     header, start = read_header(path)
-    hashed = hash_for(header)
+    hashed = PayloadHash()
     with open_private(path) as f:
         f.seek(start)
         for piece in _pieces(f, header["payload_bytes"], bytearray(min(chunk, max(1, header["payload_bytes"])))):

@@ -23,8 +23,12 @@ by this user (created 0700; looser modes are tightened), files are 0600, opened 
 checked for owner and mode; anything else is refused with a message and snapshots go off on that rank. The file
 format is a fixed binary header and JSON, never pickle::
 
-    b"NRSNAP02" | u32 header length | header JSON (run, config, history, step, coordinate, tensors, checksum, extras)
-    | payload (the raw bytes of the state tensors, in ``state_tensors`` order)
+    b"NRSNAP03" | u32 header length | u64 xxh3-64 of the header JSON | header JSON (run, config, history, step,
+    coordinate, tensors, payload checksum, extras) | payload (the raw bytes of the state tensors, in ``state_tensors``
+    order)
+
+Both checksums are checked before anything of a file is used: the header's as it is read (a mismatch deletes the
+file at the scan), the payload's at the agreement.
 
 **Full storage never ends the run.** A file is written as ``<name>.tmp`` and renamed into place only when
 complete; older files go only after that. If a write fails (``ENOSPC``), the partial file is removed, a message
@@ -49,7 +53,7 @@ import torch
 from nanotron_recover.run.run_folder import ensure_run_id
 from nanotron_recover.snapshots.catalog import _FILE, SUFFIX, Key, Snapshot, by_key, scan
 from nanotron_recover.snapshots.format import _raw_bytes, extras_of, payload_checksum, verify_file
-from nanotron_recover.snapshots.relaunch import _stream, choose_snapshot, transfer_plan
+from nanotron_recover.snapshots.relaunch import Loaded, _stream, choose_snapshot, resumed_line, transfer_plan
 from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import (
     STALE_AFTER_ENV,
@@ -215,10 +219,12 @@ class LocalSnapshots:
         max_age = float(os.environ.get(STALE_AFTER_ENV, STALE_AFTER_S))
         remove_stale_runs(self.base, self.run_id, max_age, self.log)
 
-    def resume(self, state: Any, newer_than: int | None) -> int | None:
+    def resume(self, state: Any, newer_than: int | None, rolled_back: bool = False) -> int | None:
         """Collective over the world at start-up: agree on the newest (history, step) that every coordinate holds
         somewhere (and that is newer than the disk checkpoint's ``newer_than``), check its files, load it; None if
-        there is none. A damaged file is deleted and the agreement runs again without it."""
+        there is none. A damaged file is deleted and the agreement runs again without it. ``rolled_back`` (the same
+        on every rank): a person set ``latest.txt`` back to ``newer_than``: no snapshot is loaded, and this node's
+        files of later steps are deleted (they hold the state the person wanted to drop)."""
         if not self.enabled:
             return None
         from nanotron_recover.training.training_state import ensure_adam_state, state_tensors
@@ -235,20 +241,19 @@ class LocalSnapshots:
             self._ranks = [hello.rank for hello in hellos]
             offers = [hello.offers for hello in hellos]
             coord_of = [hello.coord for hello in hellos]
-            chosen = choose_snapshot(offers, self.coords, newer_than)
+            chosen = None if rolled_back else choose_snapshot(offers, self.coords, newer_than)
             if chosen is None:
-                self._tidy(None)
+                self._tidy(None, drop_after=newer_than or 0 if rolled_back else None)
                 self._check_space(hellos)
                 return None
             plan = transfer_plan(offers, coord_of, chosen)
             if self._verify_agreed(mine, chosen, plan, coord_of):
                 break
-        source, checksum = self._load(state, tensors, mine, offers, chosen, plan, coord_of)
+        loaded = self._load(state, tensors, mine, offers, chosen, plan, coord_of)
         self._tidy(chosen)
         self._check_space(hellos)
-        how = f"received from rank {source}" if source is not None else f"from {mine[self._key(chosen)].path}"
-        _say(self.log, f"resumed from the local snapshot of step {chosen[1]} (history {chosen[0]}, coordinate "
-                       f"{self.coord}, payload checksum {checksum}, {how})")
+        if self._ranks[0] == self.ft.rank:  # one line per launch, from the lowest live rank, for every rank
+            _say(self.log, resumed_line(chosen[1], chosen[0], loaded))
         return chosen[1]
 
     def _check_space(self, hellos: Sequence[Hello]) -> None:
@@ -293,10 +298,10 @@ class LocalSnapshots:
         return all(self.ft.allgather_object(sound))
 
     def _load(self, state: Any, tensors: list[torch.Tensor], mine: dict[Key, Snapshot], offers: list,
-              chosen: tuple[str, int], plan: dict[int, int], coord_of: Sequence[int]) -> tuple[int | None, str]:
+              chosen: tuple[str, int], plan: dict[int, int], coord_of: Sequence[int]) -> list[Loaded]:
         """Stream the chosen snapshot into this rank's state (from its file, or from its sender), serving the
-        receivers this rank sends to on the way. -> (the sender's world rank if this rank received, the payload's
-        checksum). ``plan`` and ``offers`` index the gathered list; the transfer addresses world ranks."""
+        receivers this rank sends to on the way. -> what every rank loaded (gathered once all have). ``plan`` and
+        ``offers`` index the gathered list; the transfer addresses world ranks."""
         me, ranks = self._ranks.index(self.ft.rank), self._ranks
         outgoing: dict[Key, list[int]] = {}
         for dest, src in sorted(plan.items()):
@@ -310,8 +315,9 @@ class LocalSnapshots:
                          None if source is None else ranks[source], incoming, tensors,
                          None if source is not None else mine[self._key(chosen)].path)
         self._apply_extras(state, extras_of(header))
-        self.ft.allgather_object(True)  # every rank loaded: only now may files be deleted
-        return None if source is None else ranks[source], payload_checksum(header)
+        sender = None if source is None else ranks[source]
+        # every rank loaded: only now may files be deleted
+        return self.ft.allgather_object(Loaded(self.ft.rank, self.coord, sender, payload_checksum(header)))
 
     @staticmethod
     def _apply_extras(state: Any, extras: dict) -> None:
@@ -322,19 +328,20 @@ class LocalSnapshots:
         for group, saved in zip(torch_optimizer(state.optimizer).param_groups, extras["param_groups"], strict=True):
             group.update(saved)
 
-    def _tidy(self, chosen: tuple[str, int] | None) -> None:
+    def _tidy(self, chosen: tuple[str, int] | None, drop_after: int | None = None) -> None:
         """After the agreement (no rank writes yet: the first write follows a step that all ranks commit): this
-        node's partial files of killed writes go, and so do its files newer than the chosen step and other
-        histories' files of that step: a line the run no longer follows (the chosen files stay until this launch
-        has its own)."""
+        node's partial files of killed writes go, and so do its files newer than the chosen step (or than
+        ``drop_after``, a rollback's step) and other histories' files of that step: a line the run no longer follows
+        (the chosen files stay until this launch has its own)."""
         if self.folder is None or not self._store_ok:
             return
         for path in [*self.folder.glob("*.tmp"), *self.folder.glob("*.spare")]:
             path.unlink(missing_ok=True)
-        if chosen is None:
+        if chosen is None and drop_after is None:
             return
-        history, step = chosen
+        history, step = chosen if chosen is not None else (None, drop_after)
         for path in self.folder.glob(f"*{SUFFIX}"):
             found = _FILE.fullmatch(path.name)
-            if found and (int(found.group(4)) > step or (int(found.group(4)) == step and found.group(3) != history)):
+            if found and (int(found.group(4)) > step or (int(found.group(4)) == step and history is not None
+                                                          and found.group(3) != history)):
                 path.unlink(missing_ok=True)

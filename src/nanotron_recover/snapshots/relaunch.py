@@ -1,11 +1,12 @@
 """A relaunch's agreement and transfer: which (history, step) every rank loads, who sends each coordinate to the
-ranks whose node lacks it, and the chunked stream over MPI (bounded memory)."""
+ranks whose node lacks it, the chunked stream over MPI (bounded memory), and the one line that says what was
+loaded."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Sequence
+from typing import Any, BinaryIO, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -129,7 +130,7 @@ def _stream(ft: Any, sends: dict[Path, list[int]], source: int | None, incoming:
 
 
 def _load_local(path: Path, tensors: list[torch.Tensor], chunk: int) -> dict:
-    """Pour this rank's own snapshot file into its state, piece by piece (the CRC checked on the way)."""
+    """Pour this rank's own snapshot file into its state, piece by piece (both checksums checked on the way)."""
     header, start = read_header(path)
     sink = PayloadSink(tensors, header)
     with open_private(path) as f:
@@ -138,3 +139,36 @@ def _load_local(path: Path, tensors: list[torch.Tensor], chunk: int) -> dict:
             sink.feed(piece)
     sink.check(header)
     return header
+
+
+class Loaded(NamedTuple):
+    """What one rank loaded at a relaunch, gathered once every rank has: the launch's one line about it."""
+
+    rank: int  # its world rank
+    coord: int
+    sender: int | None  # the world rank it received its state from; None: its node's own file
+    checksum: str  # the payload's
+
+
+SHOWN = 8  # receivers or coordinates the line names; the rest are counted
+
+
+def resumed_line(step: int, history: str, loaded: Sequence[Loaded]) -> str:
+    """What a launch says about its resume, once (from one rank; every rank's line would repeat it): the payload
+    checksum of each coordinate (two, joined by ``/``, would be a bug: replicas of a coordinate must agree) and
+    which ranks received their state over MPI, from whom."""
+    sums: dict[int, list[str]] = {}
+    for item in loaded:
+        seen = sums.setdefault(item.coord, [])
+        if item.checksum not in seen:
+            seen.append(item.checksum)
+    coords = [f"coordinate {coord} {'/'.join(seen)}" for coord, seen in sorted(sums.items())]
+    received = [f"rank {i.rank} received from rank {i.sender}" for i in sorted(loaded) if i.sender is not None]
+    over_mpi = f"{len(received)} received it over MPI" + (f": {_named(received)}" if received else "")
+    return (f"resumed from the local snapshot of step {step} (history {history}, {len(loaded)} rank(s); payload "
+            f"checksum of {_named(coords)}; {len(loaded) - len(received)} rank(s) read their node's file, {over_mpi})")
+
+
+def _named(items: list[str]) -> str:
+    shown = ", ".join(items[:SHOWN])
+    return shown if len(items) <= SHOWN else f"{shown} and {len(items) - SHOWN} more"

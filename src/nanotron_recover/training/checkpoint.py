@@ -4,9 +4,11 @@ What goes inside a checkpoint folder is a :class:`CheckpointLayout`: nanotron's 
 (:class:`NanotronLayout`), per-rank shard files for FSDP replicas (``nanotron_recover.hsdp.checkpoint``).
 ``trainer_state.json`` (written last) names the layout, the step and M.
 
-A save goes to a hidden temporary folder, every file is fsynced, then one rank renames the folder into place
-and replaces ``latest.txt`` (write temp file, fsync, ``os.replace``). A process killed mid-save leaves the
-previous checkpoint and ``latest.txt`` valid. A relative ``checkpoints.checkpoints_path`` lives in the run dir.
+A save goes to a hidden temporary folder, every file is fsynced, the publisher seals the state file, marks the folder
+as publishing (:data:`PUBLISHING_MARKER`), renames it into place, replaces ``latest.txt`` (write temp file, fsync,
+``os.replace``) and then removes the marker. A process killed mid-save leaves the previous checkpoint and
+``latest.txt`` valid; one killed between the rename and the pointer leaves a marked folder that the relaunch adopts
+(:mod:`nanotron_recover.training.checkpoint_resume`). A relative ``checkpoints.checkpoints_path`` lives in the run dir.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nanotron.serialize import load_weights, save_meta, save_weights
 from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.nanotron_compat.quiet_save import install_quiet_weight_save
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
 from nanotron_recover.run.disk_space import DiskFull, is_disk_full, written_path
 from nanotron_recover.run.exit_codes import NeedsPerson
@@ -28,23 +31,31 @@ from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, fsync_dir, write_a
 from nanotron_recover.training.checkpoint_integrity import (
     CHECKSUM_KIND,
     FILES_KEY,
+    PUBLISHING_MARKER,
     STATE_FILE,
     manifest,
     sealed_state_text,
+    verify_folder,
 )
 from nanotron_recover.training.checkpoint_resume import (  # noqa: F401 - resolve_checkpoint: the checkpoints' public helper
+    DAMAGED_SUFFIX,
     LATEST,
+    ROLLED_BACK_SUFFIX,
     ResumeChoice,
     StartupPeers,
     choose_intact,
+    is_publishing,
     latest_step,
     numbered_checkpoints,
     resolve_checkpoint,
+    set_aside,
+    unmark_published,
 )
 
 TMP_PREFIX = ".tmp-step-"
 
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
+install_quiet_weight_save()  # nanotron 0.4's save_weights draws a progress bar on every writing rank, every save
 
 if TYPE_CHECKING:
     from nanotron_recover.training.training_state import TrainingState
@@ -136,14 +147,29 @@ def check_same_microbatches(source: Path, microbatches_per_step: int) -> None:
         )
 
 
+def own_root(config: RecoverConfig, run_dir: Path | None) -> Path | None:
+    """The run's own checkpoint root (None only for a relative ``checkpoints_path`` with no run dir to put it in)."""
+    path = Path(config.checkpoints.checkpoints_path) if config.checkpoints is not None else Path("checkpoints")
+    if path.is_absolute():
+        return path
+    return None if run_dir is None else Path(run_dir) / path
+
+
+def resumes_own_checkpoints(root: Path | None) -> bool:
+    """Whether a launch resumes from the run's own checkpoints rather than from ``resume_checkpoint_path``: once the
+    run has any. The one rule for :meth:`CheckpointManager.choose` and the launcher's preflight."""
+    return root is not None and bool(numbered_checkpoints(root))
+
+
 class CheckpointManager:
     def __init__(self, config: RecoverConfig, run_dir: Path, layout: CheckpointLayout | None = None) -> None:
         self.config = config
         self.layout = layout if layout is not None else NanotronLayout()
         args = config.checkpoints
         self.interval = args.checkpoint_interval if args is not None else None
-        root = Path(args.checkpoints_path) if args is not None else Path("checkpoints")
-        self.root = root if root.is_absolute() else Path(run_dir) / root
+        root = own_root(config, Path(run_dir))
+        assert root is not None  # a run dir is given
+        self.root = root
         self.resume_path = Path(args.resume_checkpoint_path) if args and args.resume_checkpoint_path else None
 
     def due(self, step: int) -> bool:
@@ -172,11 +198,7 @@ class CheckpointManager:
         # an earlier attempt at this step can never publish what this one wrote
         token = os.environ.get(LAUNCH_TOKEN_ENV, "0")
         tmp = self.root / f"{TMP_PREFIX}{step}-{token}-e{(extra_state or {}).get('epoch', 0)}"
-        if (self.root / str(step) / STATE_FILE).is_file():
-            # saved already: the fallback save right after an interval save, or a relaunch that adopted a folder
-            # whose pointer was never written (the pointer follows)
-            if publisher and (latest_step(self.root) or 0) < step:
-                write_atomically(self.root / LATEST, f"{step}\n", durable=True)
+        if self._saved_already(step, publisher):
             return
         try:
             self._write_and_publish(trainer, step, tmp, barrier, publisher, extra_state, fault_point)
@@ -185,6 +207,34 @@ class CheckpointManager:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays: it holds the space a person must free
             raise DiskFull(written_path(e, tmp), e) from e
+
+    def _saved_already(self, step: int, publisher: bool) -> bool:
+        """Whether ``root/step`` is this run's intact save of ``step`` (the fallback save right after an interval
+        save; the writer's own publish that died before the pointer, which the pointer then follows). Every writer
+        reaches the same verdict from the files alone: the marker is read before the pointer (the publisher writes
+        the pointer, then removes the marker). A folder that is not (damaged: ``N.damaged``; past a pointer moved
+        back by hand: ``N.rolled-back``) is set aside by the publisher and the step written anew."""
+        folder = self.root / str(step)
+        if not (folder / STATE_FILE).is_file():
+            return False
+        own = is_publishing(folder) or (latest_step(self.root) or 0) >= step
+        problems = verify_folder(folder) if own else []  # the whole check on each writer: a rare path
+        if own and not problems:
+            if publisher:
+                self._point_at(step)
+            return True
+        if publisher:
+            target = set_aside(folder, DAMAGED_SUFFIX if own else ROLLED_BACK_SUFFIX)
+            why = problems[0] if problems else f"newer than {self.root / LATEST}, which a person moved back"
+            print(f"[nanotron-recover] {folder} is not this run's save of step {step} ({why}): set aside as "
+                  f"{target.name}, saving anew", flush=True)
+        return False
+
+    def _point_at(self, step: int) -> None:
+        """``latest.txt`` names ``step`` (never moved back), then the publish is finished: the marker goes."""
+        if (latest_step(self.root) or 0) < step:
+            write_atomically(self.root / LATEST, f"{step}\n", durable=True)
+        unmark_published(self.root, latest_step(self.root) or step)
 
     def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
                            publisher: bool, extra_state: dict | None, fault_point: Callable[[str], None]) -> None:
@@ -211,18 +261,20 @@ class CheckpointManager:
             FILES_KEY: manifest(tmp),  # read back from the page cache: the files just written
         }
         write_atomically(tmp / STATE_FILE, sealed_state_text(state), durable=True)
+        write_atomically(tmp / PUBLISHING_MARKER, f"{tmp.name}\n", durable=True)  # until the pointer names it
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)
         fsync_dir(self.root)
         fault_point("checkpoint-publish")
         write_atomically(self.root / LATEST, f"{step}\n", durable=True)
+        unmark_published(self.root, step)
 
     def choose(self, peers: StartupPeers) -> ResumeChoice:
         """Collective at start-up: the newest intact checkpoint (:mod:`nanotron_recover.training.checkpoint_resume`). An
         explicit ``resume_checkpoint_path`` starts a run; once the run has checkpoints of its own, its relaunches
         resume from those (and from its node-local snapshots), as the launcher says, not from that path again."""
         source = self.resume_path
-        if source is not None and numbered_checkpoints(self.root):
+        if source is not None and resumes_own_checkpoints(self.root):
             if peers.startup_share()[0] == 0:
                 print(f"[nanotron-recover] this run has checkpoints of its own in {self.root}: resuming from them "
                       f"(checkpoints.resume_checkpoint_path {source} started the run)", flush=True)
@@ -243,5 +295,6 @@ class CheckpointManager:
         errors = [e for e in peers.gather_at_startup(error) if e]
         if errors:
             raise NeedsPerson("damaged checkpoint", errors[0], file=str(source))
-        print(f"[nanotron-recover] resumed from {source} at step {choice.step}", flush=True)
+        if peers.startup_share()[0] == 0:  # every rank loaded; one says so
+            print(f"[nanotron-recover] resumed from {source} at step {choice.step}", flush=True)
         return choice.step

@@ -21,6 +21,7 @@ STATE_FILE = "trainer_state.json"
 CHECKSUM_KIND = "xxh3_64"
 FILES_KEY = "files"  # {relative path: {"bytes": n, "xxh3_64": hex}}
 SEAL_KEY = "state_checksum"  # the checksum of the state file's other keys
+PUBLISHING_MARKER = ".publishing"  # written before the rename into place, removed once ``latest.txt`` names the step
 READ_BYTES = 4 * 2**20
 
 
@@ -37,8 +38,9 @@ def file_checksum(path: Path) -> str:
 
 
 def manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and checksum of every file under ``folder`` except the state file (which holds the manifest)."""
-    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != STATE_FILE)
+    """Size and checksum of every file under ``folder`` except the state file (which holds the manifest) and the
+    publish marker (removed once the pointer names the folder: its absence must not make the folder damaged)."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name not in (STATE_FILE, PUBLISHING_MARKER))
     return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, CHECKSUM_KIND: file_checksum(p)}
             for p in files}
 
@@ -88,4 +90,31 @@ def verify_share(folder: Path, state: dict[str, Any], index: int = 0, count: int
                 problems.append(f"{path}: checksum differs from the one recorded at the save")
         except OSError as e:
             problems.append(f"{path}: cannot be read ({type(e).__name__}: {e})")
+    return problems
+
+
+def verify_folder(folder: Path) -> list[str]:
+    """The whole check of one checkpoint by one process, one line per problem (empty: intact). The state file must
+    parse, match its seal and carry checksums (this version always writes them); every recorded size is checked
+    before any checksum, so a truncated or missing file is found without reading the others."""
+    try:
+        state = read_state(folder)
+    except DamagedCheckpoint as e:
+        return [str(e)]
+    if SEAL_KEY not in state or not is_verifiable(state):
+        return [f"{Path(folder) / STATE_FILE} carries no checksums of its files"]
+    return _size_problems(Path(folder), state[FILES_KEY]) or verify_share(folder, state)
+
+
+def _size_problems(folder: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
+    problems = []
+    for name in sorted(recorded):
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            problems.append(f"{path}: cannot be read ({type(e).__name__}: {e})")
+            continue
+        if size != recorded[name].get("bytes"):
+            problems.append(f"{path}: {size} bytes, the save wrote {recorded[name].get('bytes')}")
     return problems

@@ -99,6 +99,7 @@ class MetricsLogger:
         # monitor, for a rank that becomes the logging rank mid-run starts wandb inside a step
         self.slow_io: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.path = run_folder.metrics_path(self.run_dir)
+        self.launch = run_folder.launch_token()  # each line names the launch that wrote it
         self.wandb_config = dict(wandb_config) if wandb_config is not None else None
         if self.wandb_config is not None and not self.wandb_config.pop("enabled", True):
             self.wandb_config = None
@@ -154,6 +155,7 @@ class MetricsLogger:
         assert self._file is not None
         line = dict(record)
         line.setdefault("time", time.time())
+        line.setdefault("launch", self.launch)
         self._file.write(json.dumps(line, default=_plain, allow_nan=True) + "\n")
         self._file.flush()
 
@@ -269,13 +271,16 @@ def _is_step(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+RECORD_KEYS = ("step", "time", "launch")  # where and when a line was written: wandb keeps its own
+
+
 def _wandb_values(record: Mapping[str, Any]) -> dict[str, Any]:
     """What wandb gets of a record: its scalars; an event's under ``<event>/<field>``."""
     if "event" in record:
         name = str(record["event"])
-        values = {f"{name}/{k}": v for k, v in record.items() if k not in ("event", "step", "time")}
+        values = {f"{name}/{k}": v for k, v in record.items() if k != "event" and k not in RECORD_KEYS}
     else:
-        values = {k: v for k, v in record.items() if k not in ("step", "time")}
+        values = {k: v for k, v in record.items() if k not in RECORD_KEYS}
     return {k: s for k, v in values.items() if (s := _scalar(v)) is not None}
 
 

@@ -150,9 +150,11 @@ class DataParallelStrategy(ABC):
         stops before its last step."""
         return False
 
-    def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None) -> int | None:
+    def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None,
+                                   rolled_back: bool = False) -> int | None:
         """Collective at start-up: load the newest committed step kept in node-local snapshots if it is newer than
-        ``newer_than`` (the disk checkpoint's step); return it, or None (the stock path keeps none)."""
+        ``newer_than`` (the disk checkpoint's step); return it, or None (the stock path keeps none). ``rolled_back``:
+        a person set ``latest.txt`` back to that step: no snapshot is loaded, the later ones are dropped."""
         return None
 
     def startup_share(self) -> tuple[int, int]:

@@ -306,12 +306,14 @@ class RecoverTrainer:
         if choice.damaged and self.metrics.enabled:
             self.metrics.log_event({"event": "checkpoint_damaged", "problems": choice.damaged,
                                     "resumed_from": str(choice.path) if choice.path else None})
-        local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step)  # this run's own, if any
+        # this run's own, if any; none after a person set latest.txt back (the same answer on every rank)
+        local = self.dp.resume_from_local_snapshot(self, newer_than=choice.step, rolled_back=bool(choice.rolled_back))
         if local is not None:
-            if choice.step is not None and self.metrics.enabled:  # an operator who rolled latest.txt back is told
+            if choice.step is not None and self.metrics.enabled:
                 print(f"[nanotron-recover] the node-local snapshot of step {local} is newer than the checkpoint of "
                       f"step {choice.step} ({choice.path}): resuming from the snapshot. To resume from an older "
-                      "state, relaunch with local_snapshot_interval: 0 (or delete this run's snapshots)", flush=True)
+                      "checkpoint, write its step into latest.txt and relaunch (docs/operations.md, rolling back)",
+                      flush=True)
             return local
         if choice.path is None:
             if choice.damaged:

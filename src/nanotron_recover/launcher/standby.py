@@ -1,0 +1,122 @@
+"""The warm standby: the next job, started beside the running one with the same launch line, waiting before MPI is
+initialized (its ranks: :mod:`nanotron_recover.process.standby_rank`), and the launcher's watch over it.
+
+A standby is ready when every rank has imported and said so (``ready-<rank>`` in its folder, holding the rank's pid
+and node). It can never become ready again once one of its ranks died while it waited: its ``mpirun`` runs under
+ULFM and lives on with the rest, so the launcher watches the ranks it can see (those on its own node, by pid) and
+calls such a standby *broken* at once; the relauncher then replaces it or launches cold, instead of waiting for it
+until a bound runs out (seen: 60 s, then a cold launch). Standard library only (the launcher stays light).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from nanotron_recover.launcher.mpirun import with_env
+from nanotron_recover.launcher.mpirun_job import MpirunJob
+from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
+from nanotron_recover.run.procfs import process_is_gone
+from nanotron_recover.run.run_folder import token_in
+
+STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
+
+
+def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool:
+    """``auto``: a standby of ``world_size`` ranks fits beside the job in the memory available now, with room."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return False
+    return available_gb > 2.0 * world_size * STANDBY_RSS_GB + 2.0
+
+
+def standby_rank_pids(folder: Path) -> dict[int, int]:
+    """``{world rank: pid}`` of the live ranks on this node of the standby waiting in ``folder`` (its ``mpirun``
+    names the folder too, but has no rank)."""
+    from nanotron_recover.launcher.runs import environ_of  # reads /proc; light
+
+    mine = f"{STANDBY_ENV}={folder}".encode()
+    out: dict[int, int] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        environ = environ_of(int(entry))
+        if environ is None or mine not in environ or process_is_gone(int(entry)):
+            continue
+        rank = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is not None and rank.isdigit():
+            out[int(rank)] = int(entry)
+    return out
+
+
+class Standby:
+    """The next job, waiting: started with ``cmd`` (the next launch's line), for ``world_size`` ranks."""
+
+    def __init__(self, cmd: list[str], world_size: int, *, graceful: bool, pass_fds: tuple[int, ...],
+                 nodes_out: tuple[str, ...] = ()) -> None:
+        self.nodes_out = nodes_out  # the nodes its launch line leaves out
+        self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
+        self.world_size = world_size
+        self.token = token_in(cmd)
+        self._seen: dict[int, int] = {}  # world rank -> pid, of its ranks seen alive on this node
+        env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
+        # In a Slurm allocation its mpirun starts the daemons of the other nodes as a second job step, which must
+        # share the allocation's CPUs with the running job's (srun --overlap; without it the step waited for the
+        # job's end on the test cluster, and the standby never got ready). On the batch node it forks its ranks.
+        overlap = {"SLURM_OVERLAP": "1"} if os.environ.get("SLURM_JOB_ID") else None
+        self.job = MpirunJob(with_env(cmd, env), graceful=graceful, pass_fds=pass_fds, env=overlap,
+                             die_with_launcher=True)
+
+    def ended(self) -> bool:
+        return self.job.proc.poll() is not None
+
+    def ready(self) -> bool:
+        return not self.ended() and all(ready_file(self.folder, r).exists() for r in range(self.world_size)) \
+            and self.broken() is None
+
+    def broken(self) -> str | None:
+        """Why this standby can never become ready (a rank of it died while it waited), or None. Ranks on other
+        nodes are not seen here: their pids mean nothing on this node."""
+        alive = standby_rank_pids(self.folder)
+        for rank, pid in alive.items():
+            self._seen.setdefault(rank, pid)
+        gone = {r for r, pid in self._seen.items() if alive.get(r) != pid}
+        here = socket.gethostname()
+        for rank in range(self.world_size):
+            said = _ready_pid_and_node(self.folder, rank)
+            if said is not None and said[1] == here and process_is_gone(said[0]):
+                gone.add(rank)
+        return f"rank(s) {sorted(gone)[:8]} of it died while it waited" if gone else None
+
+    def why_not(self) -> str:
+        if self.ended():
+            return f"its mpirun ended with {self.job.proc.returncode}"
+        broken = self.broken()
+        if broken is not None:
+            return broken
+        missing = [r for r in range(self.world_size) if not ready_file(self.folder, r).exists()]
+        return f"rank(s) {missing[:8]} still importing"
+
+    def release(self) -> MpirunJob:
+        (self.folder / RELEASE).touch()
+        return self.job
+
+    def cancel(self) -> None:
+        (self.folder / CANCEL).touch()
+        self.job.end()
+        self.remove()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _ready_pid_and_node(folder: Path, rank: int) -> tuple[int, str] | None:
+    """(pid, node) that rank ``rank`` wrote into its ready file (None: not ready, or an unreadable file)."""
+    try:
+        pid, node = ready_file(folder, rank).read_text().split()
+        return int(pid), node
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,221 @@
+"""The launcher keeps watch over its job whatever goes wrong beside it (real jobs, real faults, real signals).
+
+* Its own work between two looks at ``mpirun`` (starting a standby, a file in the run folder) fails: it says so
+  and goes on supervising; the job finishes under its watch and the launcher judges it (exit 0), instead of dying
+  with a traceback and leaving the job training with nobody to forward a stop signal or judge the run.
+* A stop signal while it waits between two launches (for a standby that is still importing): no launch is
+  started any more, exit 3 at once.
+* A rank of the waiting standby killed, then the job lost: the standby is known to be broken at once, and the next
+  launch comes within seconds (warm from a replacement when one got ready), not after the 60 s wait for a standby
+  that can never become ready.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from nanotron_recover.launcher.runs import kill_run_processes, mpirun_pid, rank_pids, write_config
+from nanotron_recover.run.exit_codes import EXIT_NEEDS_PERSON, EXIT_RESTART
+from nanotron_recover.run.run_folder import (
+    last_logged_step,
+    read_launches,
+    read_metrics,
+    standby_ready_path,
+)
+from tests.conftest import make_tiny_config
+from tests.launcher.test_relaunch import standby_ranks, wait_for_ready_standby
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 300
+
+
+def config(tmp_path: Path, steps: int, **ft) -> dict:
+    return make_tiny_config(dp=2, accumulation=2, steps=steps, layers=2,
+                            fault_tolerance={"enabled": True, "local_snapshot_dir": str(tmp_path / "shm"), **ft})
+
+
+@contextmanager
+def launched(tmp_path: Path, cfg: dict, restarts: int) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    """(launcher, run folder, its log); nothing of the job outlives the block."""
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    path = write_config(cfg, tmp_path / "config.yaml")
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(path),
+           "--run-dir", str(run_dir), "--synthetic-data", "--max-restarts", str(restarts)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, run_dir, log
+    finally:
+        kill_run_processes(run_dir, proc)
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None, f"the launcher ended (exit {proc.returncode}) before: {what}\n" \
+                                    f"{log.read_text()[-3000:]}"
+        time.sleep(0.02)
+
+
+def test_a_failure_of_the_launchers_own_work_does_not_end_its_watch(tmp_path):
+    """``standby: after_loss``: once the standby started after a loss is ready, the launcher writes
+    ``standby_ready`` into the run folder; here that file cannot be made (a dangling link into a folder that does
+    not exist, as an unmounted or full file system would refuse it)."""
+    steps = 3000  # ~10 ms each: time for the standby started after the loss to get ready
+    cfg = config(tmp_path, steps, standby="after_loss", regrow="off",
+                 inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}])
+    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
+        wait_for(lambda: last_logged_step(run_dir) >= 1, "step 1", proc, log)
+        standby_ready_path(run_dir).symlink_to(tmp_path / "no-such-folder" / "standby_ready")
+        proc.wait(timeout=TIMEOUT_S)
+    output = log.read_text()
+    assert "Traceback" not in output, output[-3000:]
+    assert "the launcher's own work failed" in output and "No such file or directory" in output, output[-3000:]
+    assert proc.returncode == 0, output[-3000:]
+    assert [s["step"] for s in read_metrics(run_dir)[0]] == list(range(1, steps + 1))
+
+
+def test_a_stop_signal_while_the_launcher_waits_for_its_standby_starts_no_launch(tmp_path):
+    """The job ends (below ``min_replicas``) while its standby still imports; the launcher waits for it. The
+    standby's ranks are held (SIGSTOP) so that the wait lasts; a SIGTERM to the launcher then ends it with exit 3,
+    and no second launch was begun."""
+    cfg = config(tmp_path, 3000, min_replicas=2)
+    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
+        wait_for(lambda: last_logged_step(run_dir) >= 1 and standby_ranks(proc.pid), "a standby starting", proc, log)
+        held = list(standby_ranks(proc.pid))
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+        wait_for(lambda: "waiting for the warm standby" in log.read_text(), "the wait for the standby", proc, log)
+        proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - stopped
+        for pid in held:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    output = log.read_text()
+    assert proc.returncode == EXIT_RESTART, output[-3000:]
+    assert len(read_launches(run_dir)) == 1, output[-3000:]
+    assert took < 15, f"the launcher took {took:.1f} s to stop"
+
+
+def test_a_standby_that_lost_a_rank_is_not_waited_for(tmp_path):
+    """One rank of the ready standby SIGKILLed (its mpirun lives on: a standby runs under ULFM too) at the moment
+    the job's mpirun is lost: the next launch starts within 15 s, cold, and the run finishes."""
+    cfg = config(tmp_path, 3000)
+    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
+        wait_for_ready_standby(proc, ranks=2)
+        os.kill(_a_standby_rank(proc.pid), signal.SIGKILL)
+        took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
+    output = log.read_text()
+    assert proc.returncode == 0 and read_launches(run_dir)[1]["warm"] is False, output[-3000:]
+    assert "died while it waited" in output, output[-3000:]
+    print(f"\nstandby rank and job lost at once: next launch {took:.1f} s later (cold)")
+
+
+def test_a_standby_that_lost_a_rank_is_replaced_and_the_relaunch_is_warm(tmp_path):
+    """One rank of the ready standby SIGKILLed: the launcher replaces the standby; the job's mpirun lost once the
+    replacement is ready: the next launch is warm, within 15 s."""
+    cfg = config(tmp_path, 4000)
+    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
+        wait_for_ready_standby(proc, ranks=2)
+        first = set(standby_ranks(proc.pid).values())
+        os.kill(_a_standby_rank(proc.pid), signal.SIGKILL)
+        wait_for(lambda: set(standby_ranks(proc.pid).values()) - first, "a replacement standby", proc, log)
+        wait_for_ready_standby(proc, ranks=2)
+        took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
+    output = log.read_text()
+    assert proc.returncode == 0 and read_launches(run_dir)[1]["warm"] is True, output[-3000:]
+    assert "died while it waited" in output and "starting another" in output, output[-3000:]
+    print(f"\nstandby rank lost, replaced; then the job lost: next launch {took:.1f} s later (warm)")
+
+
+def lose_the_job_and_time_the_next_launch(proc: subprocess.Popen, run_dir: Path, log: Path) -> float:
+    """SIGKILL the job's mpirun (a lost node), wait for the run to end; -> seconds to the next launch (<= 15)."""
+    os.kill(mpirun_pid(proc.pid), signal.SIGKILL)
+    killed = time.time()
+    wait_for(lambda: len(read_launches(run_dir)) >= 2, "the next launch", proc, log, timeout_s=120)
+    proc.wait(timeout=TIMEOUT_S)
+    took = read_launches(run_dir)[1]["time"] - killed
+    assert took <= 15, f"the next launch began {took:.1f} s after the loss:\n{log.read_text()[-3000:]}"
+    return took
+
+
+def _a_standby_rank(launcher_pid: int) -> int:
+    """A rank of the launcher's standby (not its mpirun, the launcher's own child)."""
+    from nanotron_recover.run.procfs import proc_stat
+
+    return next(pid for pid in standby_ranks(launcher_pid) if (proc_stat(pid) or (0,))[0] != launcher_pid)
+
+
+def test_a_stop_signal_that_reaches_only_the_ranks_is_the_launchers_stop_too(tmp_path):
+    """``scancel --signal=TERM`` (no ``--batch``) signals the job's steps, not the batch script: the ranks (and
+    the waiting standby's) get SIGTERM, the launcher does not. The ranks stop at a step boundary (exit 3); the
+    launcher must not relaunch in place what the scheduler asked to stop: exit 3, one launch."""
+    cfg = config(tmp_path, 3000)
+    with launched(tmp_path, cfg, restarts=2) as (proc, run_dir, log):
+        wait_for_ready_standby(proc, ranks=2)
+        ranks = [*rank_pids(run_dir).values(), *(p for p in standby_ranks(proc.pid)
+                                                 if (_parent(p) or 0) != proc.pid)]
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    output = log.read_text()
+    assert proc.returncode == EXIT_RESTART, output[-3000:]
+    assert len(read_launches(run_dir)) == 1, output[-3000:]
+    assert "the job's ranks were asked to stop" in output, output[-3000:]
+
+
+def _parent(pid: int) -> int | None:
+    from nanotron_recover.run.procfs import proc_stat
+
+    stat = proc_stat(pid)
+    return stat[0] if stat else None
+
+
+def test_a_crash_that_comes_back_at_the_same_step_is_a_persons_turn(tmp_path):
+    """Replica 1 SIGKILLed at step 6 in every launch (``every_launch``: a bad sample, a faulty device brings the
+    crash back), with ``min_replicas: 2``: the job stops at step 6; each relaunch resumes at step 5 and stops at 6
+    again. On the third launch in a row the launcher exits 2 naming the step, instead of exit 3 for ever."""
+    kill_at_6 = [{"step": 6, "replica": 1, "rank": 0, "phase": "forward", "every_launch": True}]
+    cfg = config(tmp_path, 20, local_snapshot_interval=1, min_replicas=2, inject=kill_at_6)
+    with launched(tmp_path, cfg, restarts=5) as (proc, run_dir, log):
+        proc.wait(timeout=TIMEOUT_S)
+    output = log.read_text()
+    assert proc.returncode == EXIT_NEEDS_PERSON, output[-3000:]
+    assert "step 6 failed on 3 launches in a row; its microbatches [2, 3] were being computed" in output, \
+        output[-3000:]
+    assert len(read_launches(run_dir)) == 3 and last_logged_step(run_dir) == 5, output[-3000:]
+
+
+def test_the_word_that_the_standby_is_ready_goes_with_the_standby(tmp_path):
+    """``standby: after_loss``: the launcher writes ``standby_ready`` once the standby started after a loss is
+    ready (a regrow counts on it). The standby killed while it waits: the word is taken back at once, and written
+    again when the replacement is ready."""
+    steps = 4000
+    cfg = config(tmp_path, steps, standby="after_loss", regrow="off",
+                 inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}])
+    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
+        ready = standby_ready_path(run_dir)
+        wait_for(ready.exists, "standby_ready", proc, log)
+        first = standby_ranks(proc.pid)
+        for pid in first:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not ready.exists(), "standby_ready taken back", proc, log, timeout_s=10)
+        wait_for(lambda: ready.exists() and set(standby_ranks(proc.pid).values()) - set(first.values()),
+                 "standby_ready again, for the replacement", proc, log)
+        proc.send_signal(signal.SIGTERM)  # seen what there was to see: the job stops at a step boundary
+        proc.wait(timeout=60)
+    assert proc.returncode == EXIT_RESTART, log.read_text()[-3000:]

@@ -31,7 +31,7 @@ from benchmarks.lib.config import add_headline_run_args, fresh_out_dir, make_con
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, write_json  # noqa: E402
 from nanotron_recover.launcher.runs import write_config  # noqa: E402
-from nanotron_recover.process.standby_rank import STANDBY_ENV  # noqa: E402
+from nanotron_recover.run.launch_contract import STANDBY_ENV  # noqa: E402
 from nanotron_recover.run.run_folder import read_launches, read_metrics_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -35,7 +35,7 @@ from mpi4py import MPI
 rank = MPI.COMM_WORLD.Get_rank()
 os.environ["NANOTRON_RECOVER_NODE_NAME"] = f"n{rank}"
 import torch
-from nanotron_recover.ft import FTWorld
+from nanotron_recover.ft import FTWorld, WorldOptions
 from nanotron_recover.training.training_state import ensure_adam_state
 if module_file:
     spec = importlib.util.spec_from_file_location("local_snapshot_under_test", module_file)
@@ -54,8 +54,14 @@ state = ns(named_params=[("w", param)], optimizer=optimizer,
 ensure_adam_state(optimizer)
 for t in optimizer.state[param].values():
     t.fill_(0.5)
-ft = FTWorld(MPI.COMM_WORLD, ranks_per_replica=1, watch=False)
-snapshots = snap.LocalSnapshots.for_config(config, base / "run", ft, replica=rank, coord=0, log=lambda m: None)
+ft = FTWorld(MPI.COMM_WORLD, ranks_per_replica=1, options=WorldOptions(watch=False))
+import inspect
+from nanotron_recover.run.launch_contract import LaunchContract
+# each rank its own node: the launch names it (an older module under test read the variable set above)
+where = {"launch": LaunchContract(node_name=f"n{rank}")} \
+    if "launch" in inspect.signature(snap.LocalSnapshots.for_config).parameters else {}
+snapshots = snap.LocalSnapshots.for_config(config, base / "run", ft, replica=rank, coord=0, log=lambda m: None,
+                                           **where)
 if phase == "write":
     snapshots.resume(state, None)
     snapshots.after_commit(1, state)

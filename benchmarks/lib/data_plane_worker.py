@@ -47,7 +47,7 @@ def _median_s(fn, repeats: int, barrier) -> float:
 
 
 def main(sizes_mb: list[float], repeats: int, rebuilds: int) -> None:
-    ft = FTWorld(watch=True)
+    ft = FTWorld()
     torch_plane, mpi_plane = TorchDataPlane(ft, torch.device("cpu"), 60.0), MpiDataPlane(ft)
     say = (lambda record: print(json.dumps(record), flush=True)) if ft.rank == 0 else (lambda record: None)
     n = len(ft.live_ranks)
@@ -81,7 +81,7 @@ def kill_inside_a_reduction(victim: int, mb: float) -> None:
 
     from nanotron_recover.ft import FailureDetected
 
-    ft = FTWorld(watch=True)
+    ft = FTWorld()
     plane = TorchDataPlane(ft, torch.device("cpu"), 60.0)
     bucket = _OneBucket(max(1, int(mb * 2**20) // 4))
     plane.allreduce_sum_(bucket, 0)  # builds the group

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from nanotron_recover.launcher.launch import max_startup_failures_setting
 from nanotron_recover.launcher.mpirun import replica_placement, slurm_tasks_per_node
 
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
@@ -105,7 +106,8 @@ def _outcome(argv: Sequence[str]) -> int:
                         help="1: done only once the last step is checkpointed (the run has a checkpoints section)")
     args = parser.parse_args(argv)
     verdict, detail = judge_launch(args.run_dir, args.train_steps, args.mpirun_rc, args.checkpoints_path,
-                                   needs_final_checkpoint=bool(args.needs_final_checkpoint))
+                                   needs_final_checkpoint=bool(args.needs_final_checkpoint),
+                                   max_startup_failures=max_startup_failures_setting())
     print(verdict, detail)
     return OUTCOME_EXIT_CODES[verdict]
 

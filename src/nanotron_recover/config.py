@@ -127,11 +127,11 @@ class FaultToleranceArgs:
             starts it only when a replica is lost, and a regrow waits until it is ready: its start-up then runs on
             what the lost replica freed instead of beside the full-width job (the better choice where every core
             trains, as on a CPU-only node). ``off``: every relaunch is cold.
-        regrow: ``auto`` (default): after replicas are lost, the job stops at a step boundary (its snapshot written)
-            and the launcher relaunches it at full width, when the relaunch costs less than the full-width training
-            that staying degraded gives away until the next failure (``relaunch_mtbf_h``); only where the launcher
-            relaunches in place (``--max-restarts`` > 0). ``off``: degraded until the job ends
-            (:mod:`nanotron_recover.recovery.regrow`).
+        regrow: ``auto`` (default): after replicas are lost, the launcher stops the job at a step boundary (its
+            snapshot written) and relaunches it at full width, when the relaunch costs less than the full-width
+            training that staying degraded gives away until the next failure (``relaunch_mtbf_h``); only where the
+            launcher relaunches in place (``--max-restarts`` > 0). ``off``: degraded until the job ends
+            (:mod:`nanotron_recover.launcher.regrow`).
         checkpoint_on_stop: also write a disk checkpoint of the last step at a graceful stop (the node-local
             snapshot is written either way; with ``local_snapshot_interval: 0`` the checkpoint is written instead).
     """

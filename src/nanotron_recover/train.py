@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Sequence
 
 from nanotron_recover.launcher.overrides import add_override_args
-from nanotron_recover.process.standby_rank import standby_folder, wait_until_released
+from nanotron_recover.process.standby_rank import wait_until_released
 from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard, waiting_for_peers
 from nanotron_recover.process.stop_request import STOP
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT
+from nanotron_recover.run.launch_contract import LaunchContract
 
 # Torch, nanotron and mpi4py are imported inside the functions below: the start-up guard must be armed first.
 
@@ -30,10 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_override_args(parser)
     args = parser.parse_args(argv)
     STOP.install()  # a stop signal from now on ends the job at a step boundary (stop_request.py)
-    standby = standby_folder()
-    if standby is not None:  # a warm standby: the imports now, MPI and the rest once released (standby_rank.py)
-        wait_until_released(standby, prepare=lambda: _import_training_stack(args))
-    guard = arm_startup_guard(args.config_file, args.run_dir)
+    launch = LaunchContract.read(os.environ)  # what the launcher tells this rank, read here once, handed down
+    if launch.standby_folder is not None:  # a warm standby: the imports now, MPI and the rest once released
+        wait_until_released(launch.standby_folder, launch.launcher_pid, prepare=lambda: _import_training_stack(args))
+    guard = arm_startup_guard(args.config_file, args.run_dir, launch.token)
 
     from nanotron_recover.config import ConfigError
     from nanotron_recover.launcher.overrides import load_effective_config
@@ -52,10 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     timeout_s = config.fault_tolerance.collective_timeout_s if config.fault_tolerance else 600.0
     if config.ft_enabled:
-        return _run_resilient(config, run_dir, timeout_s, guard)
+        return _run_resilient(config, run_dir, timeout_s, guard, launch)
     from nanotron_recover.training.stock import run_stock
 
-    return run_stock(config, run_dir, timeout_s)
+    return run_stock(config, run_dir, timeout_s, launch)
 
 
 def _import_training_stack(args: argparse.Namespace) -> None:
@@ -87,7 +88,8 @@ def _import_training_stack(args: argparse.Namespace) -> None:
         wandb.setup()  # its service process, which the logging rank's wandb.init then joins
 
 
-def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None) -> int:
+def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard | None,
+                   launch: LaunchContract) -> int:
     with waiting_for_peers("MPI_Init"):  # a peer frozen or dead before it: a bounded wait
         from mpi4py import MPI  # MPI_Init, unless a warm standby imported it uninitialized
 
@@ -102,7 +104,7 @@ def _run_resilient(config, run_dir: Path, timeout_s: float, guard: StartupGuard 
         from nanotron_recover.hsdp.strategy import ShardedReplicaDataParallel as Strategy
     else:
         from nanotron_recover.recovery.resilient import ResilientDataParallel as Strategy
-    return run_resilient(Strategy, RecoverTrainer, config, run_dir, timeout_s,
+    return run_resilient(Strategy, RecoverTrainer, config, run_dir, timeout_s, launch,
                          on_started=guard.watchdog.disarm if guard is not None else None)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from nanotron_recover.ft import FailureDetected, FTWorld, ReplicaEvicted
+from nanotron_recover.ft import FailureDetected, FTWorld, ReplicaEvicted, WorldOptions
 from nanotron_recover.process.inject import FailureInjector
 
 
@@ -62,7 +62,7 @@ def main() -> None:
 
     wait = cfg.get("mpi_wait", "auto")  # a list: each rank's own setting, as on nodes of different sizes
     wait = wait[MPI.COMM_WORLD.Get_rank()] if isinstance(wait, list) else wait
-    world = FTWorld(MPI.COMM_WORLD, rpr, cfg.get("active"), on_evict=on_evict, mpi_wait=wait)
+    world = FTWorld(MPI.COMM_WORLD, rpr, cfg.get("active"), on_evict=on_evict, options=WorldOptions(mpi_wait=wait))
     result["mpi_wait"] = world.mpi_wait
     result.update(rank=world.rank, replica=world.replica, local=world.local_rank)
     inj = FailureInjector(cfg.get("schedule", []), world.replica, world.local_rank, run_dir=outdir)

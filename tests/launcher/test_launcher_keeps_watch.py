@@ -29,7 +29,6 @@ from nanotron_recover.run.run_folder import (
     last_logged_step,
     read_launches,
     read_metrics,
-    standby_ready_path,
 )
 from tests.conftest import make_tiny_config
 from tests.launcher.test_relaunch import standby_ranks, wait_for_ready_standby
@@ -67,19 +66,16 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, timeout_s:
 
 
 def test_a_failure_of_the_launchers_own_work_does_not_end_its_watch(tmp_path):
-    """``standby: after_loss``: once the standby started after a loss is ready, the launcher writes
-    ``standby_ready`` into the run folder; here that file cannot be made (a dangling link into a folder that does
-    not exist, as an unmounted or full file system would refuse it)."""
-    steps = 3000  # ~10 ms each: time for the standby started after the loss to get ready
-    cfg = config(tmp_path, steps, standby="after_loss", regrow="off",
-                 inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}])
-    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
-        wait_for(lambda: last_logged_step(run_dir) >= 1, "step 1", proc, log)
-        standby_ready_path(run_dir).symlink_to(tmp_path / "no-such-folder" / "standby_ready")
+    """Once the job trains, the launcher starts a warm standby in the run folder's ``.standby/``; here that folder
+    cannot be made (a file stands in its way, as a full or read-only file system would refuse it)."""
+    steps = 600
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".standby").write_text("in the way")
+    with launched(tmp_path, config(tmp_path, steps), restarts=1) as (proc, run_dir, log):
         proc.wait(timeout=TIMEOUT_S)
     output = log.read_text()
     assert "Traceback" not in output, output[-3000:]
-    assert "the launcher's own work failed" in output and "No such file or directory" in output, output[-3000:]
+    assert "the launcher's own work failed" in output and "FileExistsError" in output, output[-3000:]
     assert proc.returncode == 0, output[-3000:]
     assert [s["step"] for s in read_metrics(run_dir)[0]] == list(range(1, steps + 1))
 
@@ -198,24 +194,3 @@ def test_a_crash_that_comes_back_at_the_same_step_is_a_persons_turn(tmp_path):
     assert "step 6 failed on 3 launches in a row; its microbatches [2, 3] were being computed" in output, \
         output[-3000:]
     assert len(read_launches(run_dir)) == 3 and last_logged_step(run_dir) == 5, output[-3000:]
-
-
-def test_the_word_that_the_standby_is_ready_goes_with_the_standby(tmp_path):
-    """``standby: after_loss``: the launcher writes ``standby_ready`` once the standby started after a loss is
-    ready (a regrow counts on it). The standby killed while it waits: the word is taken back at once, and written
-    again when the replacement is ready."""
-    steps = 4000
-    cfg = config(tmp_path, steps, standby="after_loss", regrow="off",
-                 inject=[{"step": 5, "replica": 1, "rank": 0, "phase": "backward"}])
-    with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
-        ready = standby_ready_path(run_dir)
-        wait_for(ready.exists, "standby_ready", proc, log)
-        first = standby_ranks(proc.pid)
-        for pid in first:
-            os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not ready.exists(), "standby_ready taken back", proc, log, timeout_s=10)
-        wait_for(lambda: ready.exists() and set(standby_ranks(proc.pid).values()) - set(first.values()),
-                 "standby_ready again, for the replacement", proc, log)
-        proc.send_signal(signal.SIGTERM)  # seen what there was to see: the job stops at a step boundary
-        proc.wait(timeout=60)
-    assert proc.returncode == EXIT_RESTART, log.read_text()[-3000:]

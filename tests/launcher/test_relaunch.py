@@ -28,10 +28,11 @@ import pytest
 from nanotron_recover.launcher.relauncher import with_launch_token
 from nanotron_recover.launcher.runs import kill_run_processes, rank_pids, run_training, write_config
 from nanotron_recover.launcher.standby import standby_fits
-from nanotron_recover.process.standby_rank import LAUNCHER_PID_ENV, STANDBY_ENV
 from nanotron_recover.run.exit_codes import EXIT_RESTART
+from nanotron_recover.run.launch_contract import LAUNCHER_PID_ENV, STANDBY_ENV
+from nanotron_recover.run.launch_contract import TOKEN_ENV as LAUNCH_TOKEN_ENV
 from nanotron_recover.run.procfs import proc_stat
-from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, read_launches, read_metrics, read_metrics_jsonl
+from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl
 from tests.conftest import make_tiny_config
 
 TIMEOUT_S = 300
@@ -246,12 +247,12 @@ def test_the_launchers_metrics_reader_passes_a_line_longer_than_its_read_size(tm
     degraded step logged after it is still seen (it starts the standby of ``after_loss``)."""
     from nanotron_recover.launcher.relauncher import READ_BYTES, JobSpec, Relauncher
 
-    spec = JobSpec(["mpirun"], tmp_path, 2, (), 10.0, 25.0, 1, True, standby_after_loss=True, replicas=2)
+    spec = JobSpec(["mpirun"], tmp_path, 2, (), 10.0, 25.0, 1, False, standby_after_loss=True, replicas=2)
     relauncher = Relauncher(spec, judge=lambda rc: rc, begin=lambda record: None, launch_cold=lambda *a: 0)
     relauncher._mark_start()
     long_event = {"event": "checkpoint_damaged", "files": ["x" * 100] * (2 * READ_BYTES // 100)}
     lines = [json.dumps(long_event), json.dumps({"step": 5, "live_replicas": 1})]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     for _ in range(4):  # a few ticks
-        relauncher._read_new_steps()
+        relauncher._tick()
     assert relauncher._job_degraded

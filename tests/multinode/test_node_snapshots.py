@@ -21,7 +21,7 @@ from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.run_folder import latest_checkpoint_step, read_metrics, run_id
 from nanotron_recover.snapshots.settings import SnapshotSettings
-from nanotron_recover.snapshots.store import NODE_NAME_ENV, snapshot_folder
+from nanotron_recover.snapshots.store import snapshot_folder
 from nanotron_recover.testbed.fake_nodes import write_bed
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 
@@ -62,9 +62,7 @@ def test_a_lost_node_costs_one_step_not_a_checkpoint_interval(tiny_config, tmp_p
 
     config = config_from_dict(raw)
     for lost in ("n3", "n2"):  # node 3's memory is gone; node 2's folder too, so its ranks must receive
-        monkeypatch.setenv(NODE_NAME_ENV, lost)
-        shutil.rmtree(snapshot_folder(SnapshotSettings.of(config), run_id(run_dir)))
-    monkeypatch.delenv(NODE_NAME_ENV)
+        shutil.rmtree(snapshot_folder(SnapshotSettings.of(config, node=lost), run_id(run_dir)))
 
     for key, value in write_bed(tmp_path / "bed2", [2, 2]).items():
         monkeypatch.setenv(key, value)

@@ -35,7 +35,7 @@ from nanotron_recover.run.run_folder import read_metrics, run_id
 from nanotron_recover.snapshots.catalog import scan
 from nanotron_recover.snapshots.format import payload_checksum
 from nanotron_recover.snapshots.settings import SnapshotSettings
-from nanotron_recover.snapshots.store import NODE_NAME_ENV, config_hash, snapshot_folder
+from nanotron_recover.snapshots.store import config_hash, snapshot_folder
 from nanotron_recover.testbed.fake_nodes import kill_node, write_bed
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 
@@ -45,11 +45,8 @@ RESUMED = re.compile(r"resumed from the local snapshot of step (\d+) \(history (
                      r"checksum of ([^;]+);")
 
 
-def folder_of(config, run: str, node: str, monkeypatch) -> Path:
-    monkeypatch.setenv(NODE_NAME_ENV, node)
-    folder = snapshot_folder(SnapshotSettings.of(config), run)
-    monkeypatch.delenv(NODE_NAME_ENV)
-    return folder
+def folder_of(config, run: str, node: str, monkeypatch=None) -> Path:
+    return snapshot_folder(SnapshotSettings.of(config, node=node), run)
 
 
 def whole_steps(snaps, history: str | None = None) -> dict[tuple[str, int], dict[int, int]]:

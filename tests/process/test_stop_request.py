@@ -15,7 +15,7 @@ import numpy as np
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.process.stop_request import LauncherStop, StopRequest, blocked_for_mpirun
-from nanotron_recover.recovery.rebalancing import StepStats
+from nanotron_recover.recovery.step_sums import StepStats
 from nanotron_recover.snapshots.schedule import SnapshotSchedule
 from nanotron_recover.training.seam import LocalWork
 from tests.conftest import make_tiny_config

@@ -14,8 +14,8 @@ import torch
 
 from nanotron_recover.config import config_from_dict
 from nanotron_recover.recovery.errors import StragglerEvicted
-from nanotron_recover.recovery.rebalancing import TAIL_ENTRIES, StepStats
 from nanotron_recover.recovery.resilient import ResilientDataParallel
+from nanotron_recover.recovery.step_sums import StepStats, step_sums_layout
 from nanotron_recover.training.seam import LocalWork
 from nanotron_recover.workload.planner import plan_step
 from nanotron_recover.workload.spares import ReplicaRoster
@@ -31,14 +31,15 @@ class SpeedWorld(InMemoryWorld):
     def __init__(self, n_replicas: int, active: list[int]) -> None:
         super().__init__(n_replicas, active)
         self.others: dict[int, tuple[float, int]] = {}
+        self.offsets = step_sums_layout(len(active)).offsets  # the step sums' entries, by name
 
     def allreduce_sum_(self, buf: np.ndarray, comm: str = "coord") -> np.ndarray:
         super().allreduce_sum_(buf, comm)
         if comm == "world":
-            slots = (len(buf) - 2 - TAIL_ENTRIES) // 2  # the start-up, stop, non-finite and snapshot entries last
+            seconds_at, counts_at = self.offsets["slot_seconds"], self.offsets["slot_microbatches"]
             for slot, (seconds, n) in self.others.items():
-                buf[2 + slot] += seconds
-                buf[2 + slots + slot] += n
+                buf[seconds_at][slot] += seconds
+                buf[counts_at][slot] += n
         return buf
 
     def repair(self, since_epoch: int | None = None):
@@ -129,7 +130,7 @@ def test_a_straggler_whose_spare_was_used_by_a_failure_meanwhile_stays_drained()
     assert result.balance["evicting"] == [2]
     strategy.roster.on_failure([1])  # spare 3 takes slot 1
     strategy.step_stats.leave_if_evicted(2, 4, strategy.roster)  # stays: no raise
-    assert strategy.step_stats.evicting == set() and strategy.step_stats.balancer.drained == {2}
+    assert strategy.step_stats.speeds.evicting == set() and strategy.step_stats.speeds.balancer.drained == {2}
 
 
 def test_a_drained_straggler_leaves_once_a_spare_appears() -> None:
@@ -145,7 +146,7 @@ def test_a_drained_straggler_leaves_once_a_spare_appears() -> None:
     def observe(per_slot: dict[int, tuple[int, float]]) -> dict:
         stats.stats[:] = 0.0
         for slot, (n, seconds) in per_slot.items():
-            stats.stats[2 + slot], stats.stats[2 + stats.slots + slot] = n * seconds, n
+            stats["slot_seconds"][slot], stats["slot_microbatches"][slot] = n * seconds, n
         return stats.observe(roster)
 
     for _ in range(3):

@@ -243,9 +243,11 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     lines = read_metrics_jsonl(run_dir)
     back = [r for r in lines if r.get("event") == "regrow" and r.get("nodes_back") and r["decision"] == "regrow"]
     stops = [r for r in lines if r.get("event") == "regrow_stop"]
-    # node 2 back: the narrower job's regrow (the survivors of the loss may have stopped to regrow first, in-step)
-    assert back and back[0]["step"] in [r["step"] for r in stops], output[-4000:]
-    regrow_step = back[0]["step"]
+    # node 2 back: the narrower job's regrow (the survivors of the loss may have stopped to regrow first), decided by
+    # the launcher on a step's record; the job stopped after a later step (the graceful stop's signal)
+    stopped_after = {r.get("decided_at_step"): r["step"] for r in stops}
+    assert back and back[0]["step"] in stopped_after, output[-4000:]
+    regrow_step = stopped_after[back[0]["step"]]
     records = [r for r in lines if "event" not in r and "step" in r]
     logged = [r["step"] for r in records]
     assert sorted(set(logged)) == list(range(1, steps + 1)) and len(logged) - steps <= 2, logged  # replays: the loss

@@ -66,14 +66,10 @@ def write_line(folder: Path, run_id: str, config_hash: str, coord: int, history:
     writer.close()
 
 
-def node_folder(cfg: types.SimpleNamespace, run_id: str, node: str, monkeypatch) -> Path:
+def node_folder(cfg: types.SimpleNamespace, run_id: str, node: str, monkeypatch=None) -> Path:
     """Node ``node``'s private snapshot folder of the run (made as that node's ranks would)."""
-    from nanotron_recover.snapshots.store import NODE_NAME_ENV
-
-    monkeypatch.setenv(NODE_NAME_ENV, node)
-    folder = snapshot_folder(SnapshotSettings.of(cfg), run_id)
+    folder = snapshot_folder(SnapshotSettings.of(cfg, node=node), run_id)
     private_tree(Path(cfg.fault_tolerance.local_snapshot_dir), run_id, node)
-    monkeypatch.delenv(NODE_NAME_ENV)
     return folder
 
 

@@ -33,14 +33,15 @@ import os, sys
 from pathlib import Path
 from mpi4py import MPI
 rank = MPI.COMM_WORLD.Get_rank()
-os.environ["NANOTRON_RECOVER_NODE_NAME"] = "n1" if rank < 2 else "n2"
-from nanotron_recover.ft import FTWorld
+from nanotron_recover.ft import FTWorld, WorldOptions
+from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
 from tests.snapshots.snapshot_world import config, state_digest, training_state
 base = Path(sys.argv[1])
-ft = FTWorld(MPI.COMM_WORLD, ranks_per_replica=2, watch=False)
+ft = FTWorld(MPI.COMM_WORLD, ranks_per_replica=2, options=WorldOptions(watch=False))
 state = training_state(0.0)
-snapshots = LocalSnapshots.for_config(config(base / "store", 2), base / "run", ft, replica=rank // 2, coord=rank % 2)
+snapshots = LocalSnapshots.for_config(config(base / "store", 2), base / "run", ft, replica=rank // 2, coord=rank % 2,
+                                      launch=LaunchContract(node_name="n1" if rank < 2 else "n2"))
 step = snapshots.resume(state, None)
 print(f"RESULT rank={rank} coord={rank % 2} step={step} digest={state_digest(state)}", flush=True)
 """

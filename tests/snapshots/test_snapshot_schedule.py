@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanotron_recover.config import config_from_dict
-from nanotron_recover.recovery.rebalancing import StepStats
+from nanotron_recover.recovery.step_sums import StepStats
 from nanotron_recover.snapshots.schedule import SnapshotSchedule, next_interval, young_interval
 from nanotron_recover.training.seam import LocalWork
 from tests.conftest import make_tiny_config

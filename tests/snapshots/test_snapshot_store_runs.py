@@ -17,6 +17,7 @@ import pickle
 import pwd
 import secrets
 import shutil
+import socket
 import stat
 import struct
 import subprocess
@@ -28,7 +29,6 @@ import pytest
 
 from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.run_folder import ensure_run_id, last_logged_step, read_metrics
-from nanotron_recover.snapshots.store import node_name
 from tests.conftest import make_tiny_config
 from tests.snapshots.snapshot_world import mounted_tmpfs
 from tests.snapshots.test_local_snapshot_resume import launch_and_kill_the_job
@@ -99,7 +99,7 @@ def test_a_store_planted_by_another_user_is_neither_loaded_nor_executed(other_us
     staged.write_bytes(old_format_snapshot(run, marker))
     staged.chmod(0o644)
     store = shared_dir / "store"
-    node = store / run / node_name()
+    node = store / run / socket.gethostname()
     planted = as_user(other_user, f"mkdir -p {node} && cp {staged} {node}/r0-c0.h0000000000aa.s0000000099.snap && "
                                   f"chmod -R a+rwX {store}")
     assert planted.returncode == 0, planted.stderr

@@ -28,6 +28,7 @@ _WHERE = {
     "ReplicaLayout": "layout",
     "FailureWatcher": "watcher",
     "FTWorld": "world",
+    "WorldOptions": "world",
     "ReplicaWorld": "protocol",
     "make_data_plane": "data_plane",
 }

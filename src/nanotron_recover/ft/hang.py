@@ -104,6 +104,22 @@ def thread_stacks() -> str:
                      for ident, frame in frames)
 
 
+@dataclass(frozen=True)
+class PeerView:
+    """What the monitor reads of the FT world: the replica grid, who holds which replica now (called each round:
+    recycling forms replicas of other ranks, and a rank watches its peers on the grid and on the current
+    assignment; None: the grid only), every original rank's host and pid (exchanged when the world was built), the
+    live original ranks and the ranks already known dead (each called each round: the FT world's and the failure
+    watcher's views)."""
+
+    layout: ReplicaLayout
+    assignment: Callable[[], ReplicaAssignment] | None
+    hosts: Sequence[str]
+    pids: Sequence[int]
+    live_ranks: Callable[[], Sequence[int]]
+    known_dead: Callable[[], frozenset[int]]
+
+
 @dataclass
 class _KillOrder:
     target: int
@@ -116,12 +132,7 @@ class HangMonitor:
 
     Args:
         comm: the original world communicator (duplicated here; collective over it).
-        layout: the replica grid.
-        assignment: called each round for who holds which replica now (recycling forms replicas of other ranks):
-            a rank watches its peers on the grid and on the current assignment.
-        hosts: host name of every original rank; pids: their process ids (exchanged when the world was built).
-        live_ranks: called each round for the current live original ranks (the FT world's view).
-        known_dead: called each round for ranks already known dead (the failure watcher's view).
+        peers: what it reads of the FT world (:class:`PeerView`).
         progress: the main thread's state.
         policy: the timeouts.
         on_hang: called with a ``hang_detected`` record before a kill (or before ``end_job``).
@@ -131,12 +142,7 @@ class HangMonitor:
     def __init__(
         self,
         comm: MPI.Comm,
-        layout: ReplicaLayout,
-        assignment: Callable[[], ReplicaAssignment] | None,
-        hosts: Sequence[str],
-        pids: Sequence[int],
-        live_ranks: Callable[[], Sequence[int]],
-        known_dead: Callable[[], frozenset[int]],
+        peers: PeerView,
         progress: MainThreadProgress,
         policy: HangPolicy,
         on_hang: Callable[[dict], None],
@@ -146,13 +152,13 @@ class HangMonitor:
         self._comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._group = self._comm.Get_group()
         self.rank = self._comm.Get_rank()
-        self.layout = layout
-        self.hosts, self.pids = list(hosts), list(pids)
-        self._live_ranks, self._known_dead = live_ranks, known_dead
+        self.layout = peers.layout
+        self.hosts, self.pids = list(peers.hosts), list(peers.pids)
+        self._live_ranks, self._known_dead = peers.live_ranks, peers.known_dead
         self.progress, self.policy = progress, policy
         self._on_hang, self._end_job = on_hang, end_job
         self.margin = HangMargin()
-        self._assignment = assignment
+        self._assignment = peers.assignment
         self._peers: dict[int, _Peer] = {}
         self._dead: set[int] = set()
         self._kills: list[_KillOrder] = []

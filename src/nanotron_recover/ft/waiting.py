@@ -43,7 +43,7 @@ MAX_PAUSE_S = 1e-3
 def node_oversubscribed(local_size: int | None = None, cores: int | None = None) -> bool:
     """More ranks on this node (the launcher's ``OMPI_COMM_WORLD_LOCAL_SIZE``) than cores this process may use."""
     if local_size is None:
-        local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+        local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))  # Open MPI's: ranks on this node
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return local_size > cores

@@ -10,17 +10,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
-from .collectives import GuardedCollectives
+from .collectives import Collectives, CommName
 from .detector import DETECTOR_HEARTBEAT_TIMEOUT_S
 from .errors import FailureDetected, ReplicaEvicted
 from .events import RepairEvent
-from .hang import HangMonitor
+from .hang import HangMonitor, PeerView
 from .hang_policy import HangPolicy, MainThreadProgress
 from .layout import ReplicaAssignment, ReplicaLayout, split_coord_comm
 from .repair import run_repair
@@ -42,7 +43,19 @@ def _stderr_log(msg: str) -> None:
     sys.stderr.flush()
 
 
-class FTWorld(GuardedCollectives):
+@dataclass(frozen=True)
+class WorldOptions:
+    """How an FT world behaves (each field is described under :class:`FTWorld`)."""
+
+    watch: bool = True
+    fail_fast: bool = True
+    log: LogFn | None = None
+    notice_timeout_s: float = DETECTOR_HEARTBEAT_TIMEOUT_S
+    recycle: bool = False
+    mpi_wait: str = "auto"
+
+
+class FTWorld:
     """Replica-granular fault-tolerant world.
 
     Args:
@@ -50,14 +63,15 @@ class FTWorld(GuardedCollectives):
         ranks_per_replica: ranks of one replica (TP x PP, or the FSDP shard size of an HSDP replica).
         active_replicas: replicas that take part in the data-parallel reduction; the others are spares.
             Default: all.
+        on_evict: called (in the watcher thread) just before the watcher ends an evicted process with exit code 0.
+        on_startup_failure: called (in the watcher thread) with the dead ranks when a rank dies before
+            :meth:`complete_startup`; nothing can be recovered then (the caller ends the job). None: no special case.
+        options (:class:`WorldOptions`):
         watch: start the early-notice watcher thread (needed to release a rank stuck in intra-replica torch
             traffic when a replica-mate dies).
         fail_fast: a collective refuses to start (revokes + raises) once the watcher knows of a death among the
             live ranks, instead of running into it.
         log: where one-line messages go (default: stderr, flushed).
-        on_evict: called (in the watcher thread) just before the watcher ends an evicted process with exit code 0.
-        on_startup_failure: called (in the watcher thread) with the dead ranks when a rank dies before
-            :meth:`complete_startup`; nothing can be recovered then (the caller ends the job). None: no special case.
         notice_timeout_s: the longest a death may take to be noticed (the launcher's failure-detector timeout).
         recycle: the alive ranks of a failed replica stay in the world as the *pool* (no replica) instead of
             leaving; :meth:`form_replica` makes a new replica of them (``fault_tolerance.recycle``).
@@ -72,30 +86,26 @@ class FTWorld(GuardedCollectives):
         ranks_per_replica: int = 1,
         active_replicas: Sequence[int] | None = None,
         *,
-        watch: bool = True,
-        fail_fast: bool = True,
-        log: LogFn | None = None,
+        options: WorldOptions = WorldOptions(),
         on_evict: Callable[[ReplicaEvicted], None] | None = None,
         on_startup_failure: Callable[[frozenset[int]], None] | None = None,
-        notice_timeout_s: float = DETECTOR_HEARTBEAT_TIMEOUT_S,
-        recycle: bool = False,
-        mpi_wait: str = "auto",
     ) -> None:
         self.layout = ReplicaLayout(comm.Get_size(), ranks_per_replica)  # the original grid (the hang monitor's)
         self.assignment = ReplicaAssignment(self.layout)  # who holds which replica and coordinate now
-        self.recycle = recycle
+        self.recycle = options.recycle
         self.rank: int = comm.Get_rank()
         self.epoch: int = 0
         self.events: list[RepairEvent] = []
         self.evicted: bool = False
         self.had_failure: bool = False
-        self.fail_fast = fail_fast
-        self._log = log or _stderr_log
+        self.fail_fast = options.fail_fast
+        self._log = options.log or _stderr_log
         self._on_evict = on_evict
         self._on_startup_failure = on_startup_failure
-        self.notice_timeout_s = notice_timeout_s
+        self.notice_timeout_s = options.notice_timeout_s
         self.starting = on_startup_failure is not None
         self.progress = MainThreadProgress()
+        self.collectives = Collectives(self)  # every cross-replica operation, under its guard (held, one per world)
         self.hang_monitor: HangMonitor | None = None
 
         self.world_comm: MPI.Comm | None = comm.Dup()
@@ -108,21 +118,14 @@ class FTWorld(GuardedCollectives):
         self.coord_comm: MPI.Comm | None = split_coord_comm(
             self.world_comm, self.layout, self.rank, self.active_replicas
         )
-        self.hosts, self.pids, self.mpi_wait = self._placement(resolve_mpi_wait(mpi_wait))
+        self.hosts, self.pids, self.mpi_wait = self._placement(resolve_mpi_wait(options.mpi_wait))
 
-        # Held by whichever thread is inside MPI on world/coord comms (a guarded collective or a repair), so the
-        # watcher never runs a repair concurrently with a main-thread collective on the same communicator.
-        self._op_lock = threading.Lock()
-        self._state_lock = threading.Lock()
         self._notice_times: dict[int, float] = {}
-        self._error_time: float | None = None
-        self._commit_agree_failed = False  # our last Agree already matched the peers' repair-entry Agree
-        self._cause: dict | None = None  # what made this rank enter the next repair (kept in the event)
         # Test seam: called inside the repair protocol as hook(point, attempt); used to SIGKILL a rank mid-repair.
         self.repair_hook: Callable[[str, int], None] | None = None
         self.before_repair: list[Callable[[], None]] = []  # run by every survivor as it enters a repair
         self.watcher: FailureWatcher | None = None
-        if watch:
+        if options.watch:
             self.watcher = FailureWatcher(comm, self._on_notice, WATCHER_POLL_S[self.mpi_wait]).start()
 
     # --------------------------------------------------------------- start-up
@@ -148,7 +151,7 @@ class FTWorld(GuardedCollectives):
                 # Every rank got the same value, so every rank is here: if no death is noticed, all retry alike.
                 if e.error_class != -1 or attempt == STARTUP_AGREE_ATTEMPTS or self.wait_for_failure_notice():
                     raise
-                self._commit_agree_failed, self._cause = False, None
+                self.collectives.commit_agree_failed, self.collectives.cause = False, None
                 self._log(f"[ft rank {self.rank}] start-up agreement came back without the healthy bit and no rank "
                           f"failed: agreeing again ({attempt})")
         self.starting = False
@@ -157,14 +160,13 @@ class FTWorld(GuardedCollectives):
         self, policy: HangPolicy, on_hang: Callable[[dict], None], end_job: Callable[[str], None]
     ) -> HangMonitor:
         """Collective (duplicates the world): heartbeats to the peers, SIGKILL of frozen or stuck ranks."""
-        comm = self._comm("world")
-        with self._guard("start_hang_monitor", comm):
-            monitor = HangMonitor(
-                comm, self.layout, lambda: self.assignment, self.hosts, self.pids,
-                live_ranks=lambda: self.live_ranks,
-                known_dead=lambda: self.watcher.dead_ranks if self.watcher is not None else frozenset(),
-                progress=self.progress, policy=policy, on_hang=on_hang, end_job=end_job,
-            )
+        comm = self.collectives.comm("world")
+        with self.collectives.guard("start_hang_monitor", comm):
+            peers = PeerView(self.layout, lambda: self.assignment, self.hosts, self.pids,
+                             live_ranks=lambda: self.live_ranks,
+                             known_dead=lambda: self.watcher.dead_ranks if self.watcher is not None else frozenset())
+            monitor = HangMonitor(comm, peers, progress=self.progress, policy=policy, on_hang=on_hang,
+                                  end_job=end_job)
         self.hang_monitor = monitor.start()
         return monitor
 
@@ -182,6 +184,32 @@ class FTWorld(GuardedCollectives):
             return True
         finally:
             self.progress.resume()
+
+    # ------------------------------------------------------------ collectives (held: :mod:`.collectives`)
+    def allreduce_sum_(self, buf: np.ndarray, comm: CommName = "coord") -> np.ndarray:
+        return self.collectives.allreduce_sum_(buf, comm)
+
+    def bcast_(self, buf: np.ndarray, root_replica: int, comm: CommName = "coord") -> np.ndarray:
+        return self.collectives.bcast_(buf, root_replica, comm)
+
+    def allgather_coord(self, obj: Any) -> list:
+        return self.collectives.allgather_coord(obj)
+
+    def allgather_object(self, obj: Any) -> list:
+        return self.collectives.allgather_object(obj)
+
+    def exchange_bytes(self, sends: dict[int, bytes], recv_from: int | None, recv_size: int = 0) -> bytearray | None:
+        return self.collectives.exchange_bytes(sends, recv_from, recv_size)
+
+    def barrier(self) -> None:
+        self.collectives.barrier()
+
+    def agree(self, flag: bool = True, epoch: int | None = None) -> bool:
+        return self.collectives.agree(flag, epoch)
+
+    def wait_outside_mpi(self, op: str, is_done: Callable[[], bool], abandon: Callable[[], None],
+                         comm: CommName = "coord") -> None:
+        self.collectives.wait_outside_mpi(op, is_done, abandon, comm)
 
     # ------------------------------------------------------------------ views
     @property
@@ -223,8 +251,8 @@ class FTWorld(GuardedCollectives):
     def set_active_replicas(self, replicas: Sequence[int]) -> None:
         """Collective over the world: rebuild ``coord_comm`` for a new active set (e.g. activating a spare)."""
         active = self._check_replicas(replicas)
-        c = self._comm("world")
-        with self._guard("set_active_replicas", c):
+        c = self.collectives.comm("world")
+        with self.collectives.guard("set_active_replicas", c):
             new_coord = split_coord_comm(c, self.assignment, self.rank, active)
         old, self.coord_comm, self.active_replicas = self.coord_comm, new_coord, active
         if old is not None:
@@ -238,9 +266,9 @@ class FTWorld(GuardedCollectives):
         ``i``); returns, on its members, a communicator over them in coordinate order (for the torch rendezvous).
         Every rank applies the same assignment; the caller then widens the reduction (:meth:`set_active_replicas`)."""
         self.assignment.assign(replica, ranks)
-        c = self._comm("world")
+        c = self.collectives.comm("world")
         member = self.rank in set(ranks)
-        with self._guard("form_replica", c):
+        with self.collectives.guard("form_replica", c):
             comm = c.Split(replica if member else MPI.UNDEFINED, self.assignment.local_rank_of(self.rank) or 0)
         if comm == MPI.COMM_NULL:
             return None
@@ -251,7 +279,7 @@ class FTWorld(GuardedCollectives):
     def repair_if_pending(self) -> RepairEvent | None:
         """The main thread after an error in intra-replica torch traffic: repair, unless the watcher already did
         (a dead rank of the world that is no longer in it)."""
-        with self._op_lock:
+        with self.collectives.op_lock:
             if not self.failure_pending():
                 return None
             self.progress.waiting("repair")
@@ -269,7 +297,7 @@ class FTWorld(GuardedCollectives):
         the operation lock first and repaired that failure (a replica-mate's death, recycling: this rank stays),
         its event is returned: a second repair here would be one that no peer joins.
         """
-        with self._op_lock:
+        with self.collectives.op_lock:
             if since_epoch is not None and self.epoch > since_epoch and not self.failure_pending():
                 return self.events[-1]
             self.progress.waiting("repair")
@@ -286,7 +314,7 @@ class FTWorld(GuardedCollectives):
             hook()
         start = time.monotonic()
         self.had_failure = True
-        entry_agree, self._commit_agree_failed = not self._commit_agree_failed, False
+        entry_agree, self.collectives.commit_agree_failed = not self.collectives.commit_agree_failed, False
         outcome = run_repair(
             self.world_comm,
             self.coord_comm,
@@ -303,15 +331,16 @@ class FTWorld(GuardedCollectives):
         event = outcome.event
         self.assignment.to_pool(event.pooled)
         event.by_watcher = by_watcher
-        event.extra["cause"] = self._cause or {"op": "watcher" if by_watcher else "caller", "error_class": -1,
-                                               "detail": "failure notice" if by_watcher else "repair requested"}
-        self._cause = None
+        event.extra["cause"] = self.collectives.cause or {
+            "op": "watcher" if by_watcher else "caller", "error_class": -1,
+            "detail": "failure notice" if by_watcher else "repair requested"}
+        self.collectives.cause = None
         event.wall_time = time.time()
         event.detect_ms = self._detect_ms(start, event.failed_ranks)
         self.epoch = event.epoch
         self.events.append(event)
-        with self._state_lock:
-            self._error_time = None
+        with self.collectives.state_lock:
+            self.collectives.error_time = None
         if outcome.evicted:
             self.evicted = True
             self.world_comm = self.coord_comm = None
@@ -331,17 +360,17 @@ class FTWorld(GuardedCollectives):
         return event
 
     def _detect_ms(self, start: float, failed: Sequence[int]) -> float:
-        with self._state_lock:
+        with self.collectives.state_lock:
             notices = [self._notice_times[r] for r in failed if r in self._notice_times]
-            if self._error_time is not None:
-                notices.append(self._error_time)
+            if self.collectives.error_time is not None:
+                notices.append(self.collectives.error_time)
         first = min((t for t in notices if t <= start), default=None)
         return 0.0 if first is None else (start - first) * 1e3
 
     # ---------------------------------------------------------------- watcher
     def _on_notice(self, dead: frozenset[int], notice: float) -> None:
         """Watcher thread: record the notice; if my own replica lost a member, leave through the repair."""
-        with self._state_lock:
+        with self.collectives.state_lock:
             for r in dead:
                 self._notice_times.setdefault(r, notice)
         mine = self.replica
@@ -357,7 +386,7 @@ class FTWorld(GuardedCollectives):
         # The main thread may be blocked forever in intra-replica torch traffic: act for it.  If the main thread
         # is inside a collective, that ends soon (peers revoke or complete it) and then either its own repair
         # evicts this rank or it goes back to torch: we take over as soon as it holds no MPI operation.
-        while not self._op_lock.acquire(timeout=0.01):
+        while not self.collectives.op_lock.acquire(timeout=0.01):
             if self.evicted:
                 return
         try:
@@ -371,7 +400,7 @@ class FTWorld(GuardedCollectives):
                 self._log(f"[ft rank {self.rank}] watcher repair failed while leaving: {exc!r}")
                 self._exit_now(0)
         finally:
-            self._op_lock.release()
+            self.collectives.op_lock.release()
 
     def _exit_evicted(self, exc: ReplicaEvicted) -> None:
         self._log(f"[ft rank {self.rank}] EVICTED by watcher: {exc}; exiting 0")
@@ -402,7 +431,7 @@ class FTWorld(GuardedCollectives):
         if had or self.evicted:
             if self.world_comm is not None:  # the hang monitor still runs: a rank frozen now cannot block this
                 try:
-                    self._barrier(self.world_comm)
+                    self.collectives.barrier_on(self.world_comm)
                 except MPI.Exception:
                     pass
             self._stop_hang_monitor()

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from nanotron_recover.launcher.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
 from nanotron_recover.launcher.overrides import add_override_args, forwarded_args, load_effective_config
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
-from nanotron_recover.run.outcome import NEEDS_PERSON, OUTCOME_EXIT_CODES, judge_launch
+from nanotron_recover.run.launch_contract import LaunchContract
+from nanotron_recover.run.outcome import DEFAULT_MAX_STARTUP_FAILURES, NEEDS_PERSON, OUTCOME_EXIT_CODES, judge_launch
 from nanotron_recover.run.run_folder import (
-    LAUNCH_TOKEN_ENV,
     RunFolderBusy,
     begin_launch,
     exit_reasons,
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 
 HOSTFILE_ENV = "NANOTRON_RECOVER_HOSTFILE"  # an Open MPI hostfile for the launch
+LOCK_WAIT_ENV = "NANOTRON_RECOVER_LOCK_WAIT_S"  # how long a launch waits for the run folder's lock (default 30 s)
+MAX_STARTUP_FAILURES_ENV = "NANOTRON_RECOVER_MAX_STARTUP_FAILURES"  # the same failure on N launches: exit 2
 MPIRUN_ARGS_ENV = "NANOTRON_RECOVER_MPIRUN_ARGS"  # extra mpirun options, shell-quoted (as MPIRUN_ARGS in sbatch)
 # PRRTE's own start-up failures, before any rank runs (each seen once in a full suite run on a loaded 2-core machine,
 # exit status 213): the launch is repeated, up to LAUNCH_RETRIES times
@@ -71,7 +73,7 @@ def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig",
     # resolved once, here: the ranks, the launcher's /proc watches and the run folder's readers name one path
     run_dir = (Path(args.run_dir) if args.run_dir else default_run_dir(config)).resolve()
     program = python_module_command("nanotron_recover.train", forwarded_args(args, run_dir))
-    env = {"PYTHONUNBUFFERED": "1", LAUNCH_TOKEN_ENV: secrets.token_hex(4)}
+    env = {"PYTHONUNBUFFERED": "1", **LaunchContract(token=secrets.token_hex(4)).as_env()}  # what each rank is told
     if not config.ft_enabled:
         # stock layout: one torch world, rendezvous as torchrun would do it
         env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(_free_port()))
@@ -104,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     try:
-        lock = hold_run_folder(run_dir)
+        lock = hold_run_folder(run_dir, float(os.environ.get(LOCK_WAIT_ENV, "30")))
     except RunFolderBusy as e:
         print(f"nanotron-recover: error: {e}", file=sys.stderr, flush=True)
         return EXIT_NEEDS_PERSON
@@ -128,6 +130,7 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
     standby = config.ft_enabled and restarts > 0 and ft.standby != "off" and standby_fits(config.world_size)
     spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby,
                    standby_after_loss=ft.standby == "after_loss", replicas=config.parallelism.dp,
+                   regrow=ft.regrow if config.ft_enabled else "off", relaunch_mtbf_h=ft.relaunch_mtbf_h,
                    nodes=_node_fit(args, cmd, config, run_dir) if restarts > 0 else None)
 
     def begin(extra: dict) -> None:
@@ -192,7 +195,7 @@ def launch_with_retries(cmd: list[str], run_dir: Path, retries: int = LAUNCH_RET
         started = time.time()
         # the run folder's lock goes with mpirun: held while the job lives, even if the launcher is killed
         job = MpirunJob(cmd, graceful=stop_grace_s is not None, pass_fds=pass_fds)
-        stop.attach(job.proc)
+        stop.attach(job)
         rc = job.wait(run_dir, finalize_timeout_s, stop, on_tick)
         failure = None if ranks_wrote_since(run_dir, started) else launch_failure(rc, job.tail())
         if failure is None or attempt == retries or stop.requested:
@@ -219,9 +222,9 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_f
     whose ranks recorded nothing a person must fix exits 3, so that a wrapper or ``sbatch --requeue`` relaunches it;
     the same start-up failure, or a crash at the same step, on ``max_startup_failures`` launches in a row exits 2
     instead (:mod:`nanotron_recover.run.outcome`)."""
+    limit = max_startup_failures if max_startup_failures is not None else max_startup_failures_setting()
     verdict, detail = judge_launch(run_dir, config.tokens.train_steps, mpirun_rc, _checkpoints_path(config),
-                                   needs_final_checkpoint=config.saves_final_checkpoint,
-                                   max_startup_failures=max_startup_failures)
+                                   needs_final_checkpoint=config.saves_final_checkpoint, max_startup_failures=limit)
     if verdict == "restart":
         print(f"[nanotron-recover] the job ended before its last step ({detail}): exit {EXIT_RESTART}, relaunch to "
               "resume from latest.txt", file=sys.stderr, flush=True)
@@ -234,6 +237,12 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_f
     if verdict != "done":
         _say_why(run_dir)
     return OUTCOME_EXIT_CODES[verdict]
+
+
+def max_startup_failures_setting() -> int:
+    """``NANOTRON_RECOVER_MAX_STARTUP_FAILURES`` (default 3; 0: never stop requeueing)."""
+    value = os.environ.get(MAX_STARTUP_FAILURES_ENV, "")
+    return int(value) if value.strip().isdigit() else DEFAULT_MAX_STARTUP_FAILURES
 
 
 def _say_why(run_dir: Path) -> None:

@@ -23,10 +23,11 @@ from nanotron_recover.launcher.startup_watch import STARTUP_SCAN_S, StartupWatch
 from nanotron_recover.process.stop_request import LauncherStop, blocked_for_mpirun
 from nanotron_recover.run.output_filter import NoiseFilter, noise_summary
 
-WATCH_EVERY_S = 0.5  # how often the launcher looks at a running mpirun
+WATCH_EVERY_S = 0.1  # how often the launcher looks at a running mpirun (its regrow reads the step records)
 OUTPUT_TAIL_BYTES = 16384
 PR_SET_PDEATHSIG = 1
 OUTLIVING_BOUND_S = 5.0  # ranks left by mpirun on the stock path (no graceful stop) are ended after this
+LOST_DAEMON = "PRTE has lost communication with a remote daemon"  # the runtime tearing the job down (a lost node)
 
 
 def _die_with_launcher() -> None:
@@ -79,6 +80,14 @@ class MpirunJob:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def send_signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def lost_a_daemon(self) -> bool:
+        """Its runtime said it lost a node's daemon and tore the job down: the stop signal its ranks then got
+        (their daemons SIGTERM them) came from the teardown, not from a scheduler."""
+        return LOST_DAEMON.encode() in self.tail()
 
     def tail(self) -> bytes:
         with self._lock:

@@ -22,32 +22,27 @@ job regrows at a step boundary).
 from __future__ import annotations
 
 import secrets
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from nanotron_recover.launcher.mpirun import with_env
 from nanotron_recover.launcher.node_fit import NodeFit
+from nanotron_recover.launcher.regrow import Regrow
 from nanotron_recover.launcher.standby import Standby
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.in_place import (
-    FULL_REPLICAS_ENV,
-    IN_PLACE_ENV,
-    NODES_BACK_ENV,
-    RELAUNCH_S_ENV,
-    STANDBY_READY_ENV,
-)
+from nanotron_recover.run.launch_contract import TOKEN_ENV
 from nanotron_recover.run.run_folder import (
-    LAUNCH_TOKEN_ENV,
+    append_metrics_record,
     metrics_path,
-    nodes_back_path,
     read_launches,
     read_metrics_jsonl,
     read_records_after,
-    standby_ready_path,
+    standby_root,
     token_in,
 )
 
@@ -73,6 +68,8 @@ class JobSpec:
     standby_after_loss: bool = False  # start the standby once a replica is lost, not as soon as the job trains
     replicas: int = 0  # the job's data-parallel replicas (a step with fewer ran degraded)
     nodes: NodeFit | None = None  # in a Slurm allocation of several nodes: relaunches fit the nodes that answer
+    regrow: str = "off"  # fault_tolerance.regrow: back to full width through a relaunch in place, when it pays
+    relaunch_mtbf_h: float = 2.0  # the expected time to the next failure that a regrow weighs
 
 
 def max_restarts_setting() -> int:
@@ -89,7 +86,7 @@ def say(line: str) -> None:
 
 def with_launch_token(cmd: list[str], token: str) -> list[str]:
     """``cmd`` with a fresh launch token (the temporary names of its checkpoint writers are its own)."""
-    return [f"{LAUNCH_TOKEN_ENV}={token}" if part.startswith(f"{LAUNCH_TOKEN_ENV}=") else part for part in cmd]
+    return [f"{TOKEN_ENV}={token}" if part.startswith(f"{TOKEN_ENV}=") else part for part in cmd]
 
 
 def measured_relaunch_s(run_dir: Path) -> float | None:
@@ -104,29 +101,36 @@ def measured_relaunch_s(run_dir: Path) -> float | None:
 
 
 class Relauncher:
-    """Launch, judge, relaunch in place (warm when a standby is ready) until done or out of restarts."""
+    """Launch, judge, relaunch in place (warm when a standby is ready) until done or out of restarts; meanwhile
+    keep the standby, hear a node come back, and decide when coming back to full width pays (a regrow)."""
 
     def __init__(self, spec: JobSpec, judge: Callable[[int], int], begin: Callable[[dict], None],
                  launch_cold: Callable[[list[str], LauncherStop, Callable[[], None]], int]) -> None:
         self.spec, self.judge, self.begin, self.launch_cold = spec, judge, begin, launch_cold
         self.stop = LauncherStop(None, spec.stop_grace_s, say=say)
         self.standby: Standby | None = None
+        self.regrow = Regrow(spec.regrow, spec.replicas, spec.relaunch_mtbf_h)
         self._metrics_offset = self._launch_offset = 0  # metrics.jsonl: read up to here; where this launch began
         self._job_trained = self._job_degraded = False  # seen since this launch started
         self._previous_ended: float | None = None  # when the last job's mpirun ended (time.time())
         self._standby_starts = 0  # standbys started during the running launch
         self._back_heard: float | None = None  # when this launch heard that a node it left out answers again
+        self._token: str | None = None  # the running launch's
+        self._regrow: dict | None = None  # the regrow this launch was stopped for: its decision
         self.restarts = 0
         self.cmd, self.replicas = spec.cmd, spec.replicas  # this launch's line and width (narrower: a node out)
 
     def run(self) -> int:
         self.stop.install()
+        shutil.rmtree(standby_root(self.spec.run_dir), ignore_errors=True)  # a killed launcher's (the folder is ours)
         try:
             while True:
                 code = self._one_launch()
                 if code != EXIT_RESTART or self.stop.requested or self.restarts >= self.spec.max_restarts:
                     return code
-                if self._ranks_were_stopped():
+                regrown = self._regrow is not None and self._log_regrow_stop()
+                torn_down = getattr(self.stop.proc, "lost_a_daemon", lambda: False)()  # a lost node's teardown
+                if not regrown and not torn_down and self._ranks_were_stopped():
                     say(f"the job's ranks were asked to stop (a stop signal reached them, not this launcher): no "
                         f"relaunch in place, exit {code} for the scheduler")
                     return code
@@ -155,9 +159,12 @@ class Relauncher:
             self.standby.cancel()
             self.standby = None
         standby, self.standby = self.standby, None
-        self._mark_start()
         record = {"previous_job_ended": self._previous_ended, "replicas": self.replicas,
-                  **({"nodes_out": list(self._nodes_out())} if self.spec.nodes is not None else {})}
+                  **({"nodes_out": list(self._nodes_out())} if self.spec.nodes is not None else {}),
+                  **({"regrow": self._regrow} if self._regrow is not None else {})}
+        self._mark_start()
+        if standby is not None:
+            standby.look_now()
         if standby is not None and not standby.ready():
             self._wait_for(standby)
         if self.stop.requested:  # a launch started now would only be stopped, its ranks perhaps before they can be
@@ -167,17 +174,19 @@ class Relauncher:
                 standby.cancel()
             return EXIT_RESTART
         if standby is not None and standby.ready():
-            self.begin({**record, "warm": True, "token": standby.token})
+            self._token = standby.token
+            self.begin({**record, "warm": True, "token": self._token})
             job = standby.release()
-            self.stop.attach(job.proc)
+            self.stop.attach(job)
             rc = job.wait(self.spec.run_dir, self.spec.finalize_timeout_s, self.stop, self._tick)
             standby.remove()
         else:
             if standby is not None:
                 say(f"the warm standby is not ready ({standby.why_not()}): a cold launch")
                 standby.cancel()
-            cmd = self._command(self.restarts)
-            self.begin({**record, "warm": False, "token": token_in(cmd)})
+            cmd = self._command()
+            self._token = token_in(cmd)
+            self.begin({**record, "warm": False, "token": self._token})
             rc = self.launch_cold(cmd, self.stop, self._tick)
         self._previous_ended = time.time()
         return self.judge(rc)
@@ -194,53 +203,62 @@ class Relauncher:
             time.sleep(0.05)
 
     def _mark_start(self) -> None:
-        self._standby_starts, self._back_heard = 0, None
+        self._standby_starts, self._back_heard, self._regrow = 0, None, None
         self._job_trained = self._job_degraded = False
-        standby_ready_path(self.spec.run_dir).unlink(missing_ok=True)
-        nodes_back_path(self.spec.run_dir).unlink(missing_ok=True)
         path = metrics_path(self.spec.run_dir)
         self._metrics_offset = self._launch_offset = path.stat().st_size if path.exists() else 0
+        self.regrow.begin(self.replicas, restarts_left=self.spec.max_restarts - self.restarts,
+                          relaunch_s=measured_relaunch_s(self.spec.run_dir),
+                          standby_follows=self.spec.standby and self.spec.standby_after_loss)
 
+    # ------------------------------------------------------------------------------------------ while a job runs
     def _tick(self) -> None:
-        """While a job runs: start the standby once the job has logged a step (its start-up, which the standby's
-        would slow down, is over), or with ``after_loss`` a step with fewer replicas; tell the job when that one
-        is ready. A standby whose ``mpirun`` ended while it waited is replaced, up to :data:`STANDBY_STARTS` per
-        launch (seen on Slurm: the standby's daemon step failed to start, exit 213). A job run narrower is told
-        when a node it left out answers again (:meth:`_watch_nodes`)."""
-        if self._watch_nodes() or not self.spec.standby or self.stop.requested or self.spec.max_restarts < 1:
+        """While a job runs: hear whether a node it left out answers again, keep the standby, and read what the
+        job logged since the last tick (its steps start the standby and weigh a regrow)."""
+        if self.stop.requested:
+            return
+        back = self._hear_nodes_back()
+        if back is None:
+            self._keep_standby()
+        standby_ready = self._standby_fits() and self.standby.ready()
+        records, self._metrics_offset = read_records_after(metrics_path(self.spec.run_dir), self._metrics_offset,
+                                                           READ_BYTES)
+        for record in records:
+            self._learn(record, standby_ready, back is True)
+
+    def _keep_standby(self) -> None:
+        """Start the standby once the job has logged a step (its start-up, which the standby's would slow down,
+        is over), or with ``after_loss`` a step with fewer replicas. A standby whose ``mpirun`` ended, or that lost
+        a rank, while it waited is replaced, up to :data:`STANDBY_STARTS` per launch (seen on Slurm: the standby's
+        daemon step failed to start, exit 213)."""
+        if not self.spec.standby or self.spec.max_restarts < 1:
             return
         if self.standby is not None:
-            ready = standby_ready_path(self.spec.run_dir)
             if not self.standby.ended() and self.standby.broken() is None:
-                if self.spec.standby_after_loss and not ready.exists() and self.standby.ready():
-                    ready.touch()
                 return
             say(f"the warm standby ended while waiting ({self.standby.why_not()})"
                 + ("; starting another" if self._standby_starts < STANDBY_STARTS else "; no other this launch"))
-            ready.unlink(missing_ok=True)  # the job must not count on it any more
             self.standby.cancel()
             self.standby = None
-        self._read_new_steps()
         wanted = self._job_degraded if self.spec.standby_after_loss else self._job_trained
         if self._standby_starts < STANDBY_STARTS and wanted:
             self._standby_starts += 1
-            self.standby = self._new_standby(self._command(self.restarts + 1), self._nodes_out())
+            self.standby = self._new_standby(self._command(), self._nodes_out())
 
-    def _watch_nodes(self) -> bool:
+    def _hear_nodes_back(self) -> bool | None:
         """A job run narrower: once a node it left out answers again, keep a standby at full width (one of the
-        narrower shape is cancelled, one whose ``mpirun`` ended is replaced up to :data:`STANDBY_STARTS` per
-        launch) and tell the job when it is ready, so that its regrow is a warm relaunch; at once without
-        standbys, or when none is left to start, or after :data:`STANDBY_WAIT_S` (the regrow is then cold or waits
-        for the standby at the launch). True while the standby is this one's business."""
+        narrower shape is cancelled, one that ended or broke is replaced up to :data:`STANDBY_STARTS` per launch).
+        None: no node left out answers (the standby is :meth:`_keep_standby`'s); False: one does, its standby is
+        not ready yet; True: a regrow may count the node, with the standby ready (at once without standbys, or
+        when none is left to start, or after :data:`STANDBY_WAIT_S`: the regrow is then cold, or waits for the
+        standby at the launch)."""
         nodes = self.spec.nodes
-        if nodes is None or not nodes.out or self.stop.requested or not nodes.back_now(say):
-            return False
-        back = nodes_back_path(self.spec.run_dir)
+        if nodes is None or not nodes.out or not nodes.back_now(say):
+            return None
         if self._back_heard is None:
             self._back_heard = time.monotonic()
         if not self.spec.standby:
-            back.touch()
-            return False
+            return True
         if self.standby is not None and (self.standby.nodes_out or self.standby.ended()
                                          or self.standby.broken() is not None):
             self.standby.cancel()  # shaped for the narrower job, or its mpirun ended
@@ -248,43 +266,46 @@ class Relauncher:
         if self.standby is None and self._standby_starts < STANDBY_STARTS:
             self._standby_starts += 1
             say("starting the warm standby at full width for the regrow")
-            self.standby = self._new_standby(self._command(self.restarts + 1, full_width=True), ())
-        if self.standby is None or self.standby.ready() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S:
-            back.touch()
+            self.standby = self._new_standby(self._command(full_width=True), ())
+        return self.standby is None or self.standby.ready() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S
+
+    def _learn(self, record: dict, standby_ready: bool, nodes_back: bool) -> None:
+        """A record the running launch logged: a step says whether the job trains, and degraded; the regrow weighs
+        it. When coming back to full width pays, the job is asked to stop after the step in flight (SIGUSR1 to
+        ``mpirun``, the graceful stop): every rank learns it in the same step, snapshots it and exits 3."""
+        if "event" not in record and "step" in record:
+            self._job_trained = True
+            live = record.get("live_replicas")
+            self._job_degraded |= isinstance(live, int) and live < self.replicas
+        why = self.regrow.observe(record, standby_ready=standby_ready, nodes_back=nodes_back)
+        if self.regrow.news is not None:
+            append_metrics_record(self.spec.run_dir, {**self.regrow.news, "time": time.time()}, launch=self._token)
+        if why is not None and self._regrow is None:
+            self._regrow = {**(self.regrow.news or {}), "reason": why}
+            say(f"{why}: asking the job to stop after the step in flight")
+            self.stop.forward(signal.SIGUSR1)
+
+    def _log_regrow_stop(self) -> bool:
+        """After a job asked to stop for a regrow ended: the ``regrow_stop`` event at the step its ranks stopped
+        after (their ``stop_signal``); False when it ended otherwise (then it is judged like any other end)."""
+        records, _ = read_records_after(metrics_path(self.spec.run_dir), self._launch_offset)
+        stops = [r["step"] for r in records if r.get("event") == "stop_signal" and isinstance(r.get("step"), int)]
+        if not stops:
+            return False
+        append_metrics_record(self.spec.run_dir, {"event": "regrow_stop", "step": stops[-1],
+                                                  "reason": self._regrow["reason"],
+                                                  "decided_at_step": self._regrow.get("step"), "time": time.time()},
+                              launch=self._token)
         return True
 
     def _new_standby(self, cmd: list[str], nodes_out: tuple[str, ...]) -> Standby:
-        return Standby(cmd, self.spec.world_size, graceful=self.spec.stop_grace_s is not None,
-                       pass_fds=self.spec.pass_fds, nodes_out=nodes_out)
+        return Standby(cmd, self.spec.world_size, root=standby_root(self.spec.run_dir),
+                       graceful=self.spec.stop_grace_s is not None, pass_fds=self.spec.pass_fds, nodes_out=nodes_out)
 
-    def _command(self, restarts: int, full_width: bool = False) -> list[str]:
-        """The launch line of the job that follows ``restarts`` relaunches (at ``full_width``, else the running
-        launch's width): a fresh launch token, and what the ranks need to decide a regrow
-        (:mod:`nanotron_recover.recovery.regrow`): the relaunches in place left, and what one costs (the last one
-        measured in this run folder, if any)."""
-        left = max(0, self.spec.max_restarts - restarts)
-        env = {IN_PLACE_ENV: str(left)}
-        relaunch_s = measured_relaunch_s(self.spec.run_dir)
-        if relaunch_s is not None:  # else the ranks weigh their own start-up
-            env[RELAUNCH_S_ENV] = f"{relaunch_s:.3f}"
-        if self.spec.standby and self.spec.standby_after_loss:
-            env[STANDBY_READY_ENV] = str(standby_ready_path(self.spec.run_dir))
-        if self.replicas < self.spec.replicas and not full_width:  # run narrower: a node is out
-            env[FULL_REPLICAS_ENV] = str(self.spec.replicas)
-            env[NODES_BACK_ENV] = str(nodes_back_path(self.spec.run_dir))
-        return with_env(with_launch_token(self.spec.cmd if full_width else self.cmd, secrets.token_hex(4)), env)
-
-    def _read_new_steps(self) -> None:
-        """Read the step records this launch appended to ``metrics.jsonl`` since the last tick (whole lines)."""
-        if self._job_degraded or (self._job_trained and not self.spec.standby_after_loss):
-            return  # nothing more to learn
-        records, self._metrics_offset = read_records_after(metrics_path(self.spec.run_dir), self._metrics_offset,
-                                                           READ_BYTES)
-        for record in records:
-            if "event" not in record and "step" in record:
-                self._job_trained = True
-                live = record.get("live_replicas")
-                self._job_degraded |= isinstance(live, int) and live < self.replicas
+    def _command(self, full_width: bool = False) -> list[str]:
+        """The launch line of the next job (at ``full_width``, else the running launch's width), with a fresh
+        launch token."""
+        return with_launch_token(self.spec.cmd if full_width else self.cmd, secrets.token_hex(4))
 
     def _ranks_were_stopped(self) -> bool:
         """The ranks of the launch that just ended stopped on a stop signal of their own (``scancel --signal``

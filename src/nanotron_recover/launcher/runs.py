@@ -185,7 +185,8 @@ def environ_of(pid: int) -> list[bytes] | None:
 
 def _waiting_standby(environ: list[bytes]) -> bool:
     """A rank of a warm standby not released yet (not a rank of the job, though its command line is the same)."""
-    from nanotron_recover.process.standby_rank import RELEASE, STANDBY_ENV
+    from nanotron_recover.process.standby_rank import RELEASE
+    from nanotron_recover.run.launch_contract import STANDBY_ENV
 
     prefix = f"{STANDBY_ENV}=".encode()
     folder = next((v[len(prefix):] for v in environ if v.startswith(prefix)), None)
@@ -195,7 +196,8 @@ def _waiting_standby(environ: list[bytes]) -> bool:
 def standby_ready(launcher_pid: int, world_size: int) -> bool:
     """Whether the warm standby that the launcher ``launcher_pid`` started has every rank ready (its ranks name
     their folder and their launcher in their environment)."""
-    from nanotron_recover.process.standby_rank import LAUNCHER_PID_ENV, STANDBY_ENV, ready_file
+    from nanotron_recover.process.standby_rank import ready_file
+    from nanotron_recover.run.launch_contract import LAUNCHER_PID_ENV, STANDBY_ENV
 
     mine, prefix = f"{LAUNCHER_PID_ENV}={launcher_pid}".encode(), f"{STANDBY_ENV}=".encode()
     for entry in filter(str.isdigit, os.listdir("/proc")):

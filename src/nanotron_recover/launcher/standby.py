@@ -1,5 +1,7 @@
 """The warm standby: the next job, started beside the running one with the same launch line, waiting before MPI is
-initialized (its ranks: :mod:`nanotron_recover.process.standby_rank`), and the launcher's watch over it.
+initialized (its ranks: :mod:`nanotron_recover.process.standby_rank`), and the launcher's watch over it. Its folder
+is in the run folder (``.standby/``, on the cluster's shared file system): the standby's ranks on every node write
+their ready files there.
 
 A standby is ready when every rank has imported and said so (``ready-<rank>`` in its folder, holding the rank's pid
 and node). It can never become ready again once one of its ranks died while it waited: its ``mpirun`` runs under
@@ -14,14 +16,17 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from nanotron_recover.launcher.mpirun import with_env
 from nanotron_recover.launcher.mpirun_job import MpirunJob
-from nanotron_recover.process.standby_rank import CANCEL, LAUNCHER_PID_ENV, RELEASE, STANDBY_ENV, ready_file
+from nanotron_recover.process.standby_rank import CANCEL, RELEASE, ready_file
+from nanotron_recover.run.launch_contract import LAUNCHER_PID_ENV, STANDBY_ENV
 from nanotron_recover.run.procfs import process_is_gone
 from nanotron_recover.run.run_folder import token_in
 
+LOOK_EVERY_S = 0.5  # how often the launcher looks for a standby's dead ranks (a /proc scan)
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
 
 
@@ -55,13 +60,16 @@ def standby_rank_pids(folder: Path) -> dict[int, int]:
 class Standby:
     """The next job, waiting: started with ``cmd`` (the next launch's line), for ``world_size`` ranks."""
 
-    def __init__(self, cmd: list[str], world_size: int, *, graceful: bool, pass_fds: tuple[int, ...],
+    def __init__(self, cmd: list[str], world_size: int, *, root: Path, graceful: bool, pass_fds: tuple[int, ...],
                  nodes_out: tuple[str, ...] = ()) -> None:
         self.nodes_out = nodes_out  # the nodes its launch line leaves out
-        self.folder = Path(tempfile.mkdtemp(prefix="nanotron-recover-standby-"))
+        root.mkdir(exist_ok=True)  # in the run folder: the ranks of every node reach it
+        self.folder = Path(tempfile.mkdtemp(prefix="standby-", dir=root))
         self.world_size = world_size
         self.token = token_in(cmd)
         self._seen: dict[int, int] = {}  # world rank -> pid, of its ranks seen alive on this node
+        self._looked_at, self._broken = 0.0, None  # the last look at its ranks (a /proc scan: at most every 0.5 s)
+        # the launch contract's standby fields (its token is the launch line's already)
         env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
         # In a Slurm allocation its mpirun starts the daemons of the other nodes as a second job step, which must
         # share the allocation's CPUs with the running job's (srun --overlap; without it the step waited for the
@@ -80,6 +88,18 @@ class Standby:
     def broken(self) -> str | None:
         """Why this standby can never become ready (a rank of it died while it waited), or None. Ranks on other
         nodes are not seen here: their pids mean nothing on this node."""
+        if self._broken is not None or time.monotonic() - self._looked_at < LOOK_EVERY_S:
+            return self._broken  # broken stays broken
+        self._looked_at = time.monotonic()
+        self._broken = self._dead_ranks()
+        return self._broken
+
+    def look_now(self) -> None:
+        """The next :meth:`broken` looks at the ranks again (before the standby is released: a rank may have died
+        a moment ago, with the job)."""
+        self._looked_at = 0.0
+
+    def _dead_ranks(self) -> str | None:
         alive = standby_rank_pids(self.folder)
         for rank, pid in alive.items():
             self._seen.setdefault(rank, pid)

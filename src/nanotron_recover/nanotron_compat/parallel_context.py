@@ -43,7 +43,7 @@ def _check_env_matches_torch_world() -> Tuple[int, int]:
             "torch.distributed.init_process_group(backend=devices.torch_backend(), timeout=...) first"
         )
     rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
-    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")  # torch's, which nanotron reads
     if env_rank is None or env_world is None or (int(env_rank), int(env_world)) != (rank, world):
         raise RuntimeError(
             f"RANK/WORLD_SIZE env ({env_rank}/{env_world}) must equal the torch world ({rank}/{world}): "

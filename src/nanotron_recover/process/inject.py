@@ -124,12 +124,12 @@ def parse_schedule(schedule: Iterable[Mapping[str, Any] | FailureSpec] | str | N
     return [s if isinstance(s, FailureSpec) else FailureSpec.from_dict(s) for s in schedule]  # type: ignore[union-attr]
 
 
-def marker_name(spec: FailureSpec) -> str:
+def marker_name(spec: FailureSpec, launch_token: str = "0") -> str:
     """The marker file of a fired entry: ``step{s}-replica{r}-rank{k}-{phase}[-{signal}][-launch-{token}]`` (kill
     adds nothing; an ``every_launch`` entry is marked per launch, so that each launch fires it once)."""
     name = f"step{spec.step}-replica{spec.replica}-rank{spec.rank}-{spec.point.replace(':', '.')}"
     name = name if spec.signal == "kill" else f"{name}-{spec.signal}"
-    return f"{name}-launch-{run_folder.launch_token()}" if spec.every_launch else name
+    return f"{name}-launch-{launch_token}" if spec.every_launch else name
 
 
 class FailureInjector:
@@ -141,12 +141,14 @@ class FailureInjector:
         my_replica: int,
         my_local_rank: int,
         run_dir: str | os.PathLike[str] | None = None,
+        launch_token: str = "0",
     ) -> None:
         """``run_dir``: where a record per fired entry is kept (:func:`run_folder.record_fired_fault`), so that a
         relaunch of the same run (resuming from a checkpoint, replaying the step) does not fire it again: a failure
         happens once per run. Without one, nothing is recorded."""
         self.schedule = parse_schedule(schedule)
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.launch_token = launch_token  # an ``every_launch`` entry fires once in each launch
         self._poison = False  # a ``nan`` entry fired: the trainer poisons this forward
         self.retarget(my_replica, my_local_rank)
 
@@ -160,7 +162,9 @@ class FailureInjector:
         self.slowdown = Slowdown([s for s in mine if s.signal == "slow"], my_replica, my_local_rank)
 
     def _fired(self, spec: FailureSpec) -> bool:
-        return self.run_dir is not None and run_folder.fault_marker_path(self.run_dir, marker_name(spec)).is_file()
+        if self.run_dir is None:
+            return False
+        return run_folder.fault_marker_path(self.run_dir, marker_name(spec, self.launch_token)).is_file()
 
     def take_poison(self) -> bool:
         """Whether a ``nan`` entry fired since the last call (the current forward must produce NaN)."""
@@ -185,7 +189,7 @@ class FailureInjector:
             return
         del self._mine[(step, phase)]
         if self.run_dir is not None:
-            run_folder.record_fired_fault(self.run_dir, marker_name(spec), {
+            run_folder.record_fired_fault(self.run_dir, marker_name(spec, self.launch_token), {
                 "step": spec.step, "replica": spec.replica, "rank": spec.rank, "phase": spec.phase, "at": spec.at,
                 "signal": spec.signal})
         sys.stdout.flush()

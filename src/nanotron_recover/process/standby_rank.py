@@ -1,7 +1,7 @@
 """A rank of a warm standby job: everything that does not need MPI done ahead, then wait to be released.
 
 The launcher starts the next job beside the running one with the same launch line and
-``NANOTRON_RECOVER_STANDBY=<folder>`` (a folder of the launcher's, never the run folder). Each of its ranks imports
+``NANOTRON_RECOVER_STANDBY=<folder>`` (``.standby/<id>`` in the run folder). Each of its ranks imports
 torch, nanotron, mpi4py (with ``mpi4py.rc.initialize = False``: MPI is initialized only once released) and the
 training stack, says so with ``ready-<rank>`` in that folder, and waits. When the running job ends with the restart
 outcome, the launcher writes ``go``: the ranks initialize MPI and start as a cold launch would, from the start-up
@@ -22,29 +22,21 @@ from typing import Callable
 from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import STOP
 
-STANDBY_ENV = "NANOTRON_RECOVER_STANDBY"  # the standby's folder
-LAUNCHER_PID_ENV = "NANOTRON_RECOVER_LAUNCHER_PID"
 RELEASE, CANCEL = "go", "cancel"
 POLL_S = 0.005
-
-
-def standby_folder() -> Path | None:
-    """This rank's standby folder, or None for a rank of a job launched to run at once."""
-    value = os.environ.get(STANDBY_ENV)
-    return Path(value) if value else None
 
 
 def ready_file(folder: Path, rank: int) -> Path:
     return folder / f"ready-{rank}"
 
 
-def wait_until_released(folder: Path, prepare: Callable[[], None]) -> None:
+def wait_until_released(folder: Path, launcher: int | None, prepare: Callable[[], None]) -> None:
     """Do ``prepare`` (the imports), say ready, then return once released; exit at once when cancelled or when
-    the launcher is gone."""
+    the ``launcher`` (its pid) is gone."""
     prepare()
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))  # Open MPI's: MPI is not initialized yet
     ready_file(folder, rank).write_text(f"{os.getpid()} {socket.gethostname()}")  # the launcher watches it by pid
-    launcher, parent = int(os.environ.get(LAUNCHER_PID_ENV, "0")), os.getppid()
+    parent = os.getppid()
     checked = 0.0
     while not (folder / RELEASE).exists():
         if (folder / CANCEL).exists() or STOP.requested:  # asked to stop: carry that into no launch, leave

@@ -1,6 +1,6 @@
 """How long this rank's start-up took: from its process's start (or a warm standby's release) until every rank
-was ready to train. Summed world-wide with the step's stats (:mod:`nanotron_recover.recovery.rebalancing`), the
-ranks' mean is the job's measured start-up: the most of what a relaunch costs (:mod:`nanotron_recover.recovery.regrow`).
+was ready to train. The logging rank writes it, phase by phase, as the launch's ``startup`` event: the most of what a
+relaunch costs, which the launcher's regrow weighs until it has measured one (:mod:`nanotron_recover.launcher.regrow`).
 """
 
 from __future__ import annotations

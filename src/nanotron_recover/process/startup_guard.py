@@ -46,9 +46,9 @@ def _peek_fault_tolerance(config_file: str) -> tuple[dict, int] | None:
         return None
 
 
-def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | None:
+def arm_startup_guard(config_file: str, run_dir: str | None, launch_token: str = "0") -> StartupGuard | None:
     """Under mpirun with fault tolerance on: fork the start-up watchdog, then fire a ``before_mpi_init`` fault."""
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK")
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK")  # Open MPI's: MPI is not initialized yet
     peek = _peek_fault_tolerance(config_file) if rank is not None else None
     if peek is None:
         return None
@@ -56,7 +56,8 @@ def arm_startup_guard(config_file: str, run_dir: str | None) -> StartupGuard | N
     record = exit_record_path(Path(run_dir), rank) if run_dir else None
     watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}", exit_record=record)
     try:
-        injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, run_dir=run_dir)
+        injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, run_dir=run_dir,
+                                   launch_token=launch_token)
     except (ValueError, TypeError, KeyError):  # a bad schedule: the config loader names the key
         injector = FailureInjector([], 0, 0)
     injector.maybe_fail(0, "startup:before_mpi_init")

@@ -3,7 +3,7 @@
 SIGTERM and SIGINT (what Slurm sends every process of a job at preemption or at its time limit, or Ctrl-C) and
 SIGUSR1 (``sbatch --signal=B:USR1@SECONDS``, a warning before the time limit; the launcher also turns its own
 SIGTERM into a SIGUSR1 to ``mpirun``, which forwards it to every rank) only set a flag here. The step's world-wide
-sums carry how many ranks saw one (:class:`nanotron_recover.recovery.rebalancing.StepStats`), so every rank learns
+sums carry how many ranks saw one (:mod:`nanotron_recover.recovery.step_sums`), so every rank learns
 in the same step that this step is the last: it is committed, snapshotted node-locally (and checkpointed where
 ``fault_tolerance.checkpoint_on_stop`` asks), and the job exits 3. A relaunch resumes at the next step.
 
@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any, Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SUMS = (("stop_requests", 1),)  # this tenant's entry of the step's sums: the ranks asked to stop
 ESCALATING = (signal.SIGTERM, signal.SIGINT)  # asked twice: end now (SIGUSR1 may well come twice: Slurm, launcher)
 
 
@@ -80,8 +81,9 @@ class LauncherStop:
     SIGINT, a SIGHUP, or the grace running out ends ``mpirun`` at once (SIGHUP: ``mpirun`` then ends the job; it
     was started with SIGTERM and SIGINT blocked, so that a signal sent to every process of the job, as Slurm does,
     leaves the ending to the ranks). ``grace_s`` None: the stock path, where every signal ends the job at once.
-    ``proc``: the running ``mpirun`` (:meth:`attach` the next one after an in-place relaunch; a stop asked for in
-    between reaches it when attached, and no further relaunch happens: :attr:`requested`)."""
+    ``proc``: the running ``mpirun`` (anything with ``send_signal``; :meth:`attach` the next one after an in-place
+    relaunch; a stop asked for in between reaches it when attached, and no further relaunch happens:
+    :attr:`requested`)."""
 
     def __init__(self, proc: Any, grace_s: float | None, say: Callable[[str], None]) -> None:
         self.proc, self.grace_s, self.say = proc, grace_s, say
@@ -113,6 +115,11 @@ class LauncherStop:
             self.say(f"{name}: the job stops after the step in flight (its node-local snapshot written, exit 3), "
                      f"within {self.grace_s:g} s; a second SIGTERM or SIGINT ends it at once")
             self._send(signal.SIGUSR1)
+
+    def forward(self, signum: int) -> None:
+        """Pass ``signum`` to the running ``mpirun`` without taking it for the launcher's own stop: the launcher's
+        regrow asks the job to stop at a step boundary (SIGUSR1), and then relaunches it."""
+        self._send(signum)
 
     def overdue(self) -> bool:
         """The grace ran out (then the job is ended: call every few seconds)."""

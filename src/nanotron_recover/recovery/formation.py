@@ -6,16 +6,16 @@ carries it out on every rank: the world learns the members, they start a torch w
 model, all agree, and the new replica takes a free slot (its state comes with the spare activation) or waits as a
 spare. A member lost in the middle breaks the new replica like any other; its survivors go back to the pool.
 
-It is an object, not a base class of the strategy: it owns the pool and the formation's timing, and what it shares
-with the strategy (the FT world, the roster, the holders, the repair, the replica's build) is handed to it by name,
-so that a reader sees which of the strategy's state a formation touches.
+It is an object, not a base class of the strategy: it owns the formation's timing; who is in the job (the roster,
+the pool, the holders) is the :class:`~nanotron_recover.recovery.membership.Membership` it shares with the strategy,
+and what it asks of the strategy (the repair, a replica's build) is a named interface, :class:`FormationHost`.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from nanotron_recover.ft import FailureDetected, RepairEvent, ReplicaWorld
 from nanotron_recover.ft.hang_policy import KILL_CONFIRM_S, HangPolicy
@@ -23,61 +23,49 @@ from nanotron_recover.nanotron_compat.process_groups import forget_process_group
 from nanotron_recover.recovery.errors import BelowMinimumReplicas
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.training.seam import StepServices
-from nanotron_recover.training.torch_world import init_replica_torch_world
+from nanotron_recover.training.torch_world import ReplicaTorchWorld
 from nanotron_recover.training.training_state import TrainingState
-from nanotron_recover.workload.recycle import Formation, RankPool
-from nanotron_recover.workload.spares import ReplicaRoster
+from nanotron_recover.workload.recycle import Formation
 
-Repair = Callable[[StepServices, int, str, int], Any]  # (services, step, phase, since_epoch): the strategy's repair
-LogRepair = Callable[[StepServices, int, str, RepairEvent], None]  # (services, step, phase, event): apply and log it
+if TYPE_CHECKING:
+    from nanotron_recover.recovery.membership import Membership
+
+class FormationHost(Protocol):
+    """What a formation asks of the strategy that holds it: the repair (MPI, then applied and logged), applying
+    the repairs not applied yet (then a rank moved to the pool drops its replica), taking this rank's new
+    coordinates, a pooled rank dropping its replica, and building a new replica member's nanotron groups and model
+    over its new torch world."""
+
+    def repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
+        ...
+
+    def log_repair(self, services: StepServices, step: int, phase: str, event: RepairEvent) -> None: ...
+
+    def apply_repairs(self, services: StepServices) -> list: ...
+
+    def take_coordinates(self) -> None: ...
+
+    def drop_replica_if_pooled(self, services: StepServices) -> None: ...
+
+    def build_formed_replica(self, state: TrainingState, services: StepServices) -> None: ...
 
 
 class ReplicaFormation:
-    """Recycling (``recycle``; with it off, nothing here acts): the pool and its formations, and a rank's move into
-    the pool when a replica-mate dies in its torch traffic. Owns ``pool`` (the recycled survivors), ``formed_at``
-    (``perf_counter()`` when the last new replica was formed: the start of its state transfer's timing, until
-    :meth:`activated`) and the pool as it was before the last repairs (for the ``pool_changed`` event).
+    """Recycling (``recycle``; with it off, nothing here acts): the pool's formations, and a rank's move into the
+    pool when a replica-mate dies in its torch traffic. Owns ``formed_at`` (``perf_counter()`` when the last new
+    replica was formed: the start of its state transfer's timing, until :meth:`activated`).
 
-    Given by the strategy: the FT world and the roster (shared references), the hang policy (how long a pooled rank
-    waits for its repair), ``min_replicas`` and the collective ``timeout_s``; and callbacks into its state:
-    ``repair`` (repair the world, apply and log it), ``log_repair`` (apply and log a repair this rank did),
-    ``apply_repairs`` (apply the repairs not applied yet), ``applied`` (how many of the world's repairs are),
-    ``holders`` (the replicas holding the committed state), ``coordinates_changed`` (take this rank's replica
-    coordinates from the world), ``build_replica`` (a member's nanotron groups and model over its new torch world)
-    and ``drop_if_pooled`` (a rank moved to the pool drops its replica)."""
+    Given: the FT world and the :class:`~nanotron_recover.recovery.membership.Membership` (shared with the
+    strategy: the roster, the pool, the holders), the strategy as a :class:`FormationHost`, the hang policy (how
+    long a pooled rank waits for its repair), ``min_replicas`` and how a new replica's torch world starts."""
 
-    def __init__(self, ft: ReplicaWorld, roster: ReplicaRoster, hang_policy: HangPolicy, *, ranks_per_replica: int,
-                 recycle: bool, min_replicas: int, timeout_s: float, repair: Repair, log_repair: LogRepair,
-                 apply_repairs: Callable[[StepServices], Any], applied: Callable[[], int],
-                 holders: Callable[[], set[int]], coordinates_changed: Callable[[], None],
-                 build_replica: Callable[[TrainingState, StepServices], None],
-                 drop_if_pooled: Callable[[StepServices], None]) -> None:
-        self.ft, self.roster, self.hang_policy = ft, roster, hang_policy
-        self.recycle, self.min_replicas, self.timeout_s = recycle, min_replicas, timeout_s
-        self._repair, self._log_repair, self._apply_repairs, self._applied = repair, log_repair, apply_repairs, applied
-        self._holders, self._coordinates_changed = holders, coordinates_changed
-        self._build_replica, self._drop_if_pooled = build_replica, drop_if_pooled
-        self.pool = RankPool(ranks_per_replica, hosts=getattr(ft, "hosts", None))  # recycled survivors
+    def __init__(self, ft: ReplicaWorld, membership: Membership, host: FormationHost, hang_policy: HangPolicy, *,
+                 recycle: bool, min_replicas: int, torch_world: ReplicaTorchWorld) -> None:
+        self.ft, self.membership, self.host, self.hang_policy = ft, membership, host, hang_policy
+        self.recycle, self.min_replicas, self.torch_world = recycle, min_replicas, torch_world
         self.formed_at: float | None = None
-        self._pool_before: list[int] = []
 
     # --------------------------------------------------------------------------------------------- the pool
-    def apply_repairs(self, events: list[RepairEvent]) -> None:
-        """The repairs the strategy applies now, in order: their dead ranks leave the pool, the survivors of broken
-        replicas join it (the same on every rank)."""
-        self._pool_before = self.pool.ranks
-        for event in events if self.recycle else []:
-            self.pool.remove(event.failed_ranks)
-            self.pool.add(event.pooled)
-
-    def pool_news(self, step: int, event: RepairEvent) -> dict | None:
-        """The ``pool_changed`` event of a repair that moved ranks into the pool or killed pool ranks, else None."""
-        died = set(event.failed_ranks) & set(self._pool_before)
-        if not self.recycle or not (event.pooled or died):
-            return None
-        return {"event": "pool_changed", "step": step, "epoch": event.epoch, "joined": sorted(event.pooled),
-                "died": sorted(died), "pool_ranks": self.pool.ranks}
-
     def activated(self) -> None:
         """The new replicas received the committed state: the next transfer is timed from the next formation."""
         self.formed_at = None
@@ -102,14 +90,14 @@ class ReplicaFormation:
         (it holds the operation lock: :meth:`FTWorld.repair_if_pending` waits for it), or repaired already."""
         if not self.recycle or self.ft.starting:
             return None
-        first = self._applied()
+        first = self.membership.applied
         deadline = time.monotonic() + self.ft.notice_timeout_s + self.hang_policy.timeout_s + KILL_CONFIRM_S + 2.0
         try:
             while not self.ft.pooled:
                 self.ft.progress.waiting("failure notice")  # a stall here is somebody else's (a repair resumes)
                 event = self.ft.repair_if_pending()
                 if event is not None:
-                    self._log_repair(services, step, "in-step", event)
+                    self.host.log_repair(services, step, "in-step", event)
                 elif time.monotonic() > deadline:
                     return None
                 else:
@@ -117,7 +105,7 @@ class ReplicaFormation:
         finally:
             self.ft.progress.resume()
         events = self.ft.events[first:]
-        self._apply_repairs(services)
+        self.host.apply_repairs(services)
         return events
 
     # --------------------------------------------------------------------------------------------- formation
@@ -131,16 +119,17 @@ class ReplicaFormation:
         model, or all repair. A member lost in the middle breaks the new replica like any other; its survivors go
         back to the pool, and the pool forms again at once."""
         activation = False
-        while self.recycle and (formation := self.pool.form(self.ft.assignment.next_replica_id)) is not None:
+        pool, roster = self.membership.pool, self.membership.roster
+        while self.recycle and (formation := pool.form(self.ft.assignment.next_replica_id)) is not None:
             self.ft.progress.busy(Phase.REPLICA_FORMATION, step)
             t0 = time.perf_counter()
-            slot = self.roster.add_replica(formation.replica)
+            slot = roster.add_replica(formation.replica)
             epoch = self.ft.epoch
             try:
                 self._build(step, formation, state, services, epoch)
                 self.ft.agree(True, epoch)
             except FailureDetected:
-                self._repair(services, step, Phase.REPLICA_FORMATION, epoch)
+                self.host.repair(services, step, Phase.REPLICA_FORMATION, epoch)
                 activation |= self._abandon(step, formation, services)
                 continue
             except Exception:  # noqa: BLE001 - a member's rendezvous or model build broke under a co-member's death
@@ -154,7 +143,7 @@ class ReplicaFormation:
             services.metrics.log_event({
                 "event": "replica_formed", "step": step, "epoch": self.ft.epoch, **formation.as_dict(),
                 "slot": slot, "donor": min(self.ft.active_replicas) if slot is not None else None,
-                "pool_ranks": self.pool.ranks,
+                "pool_ranks": pool.ranks,
             })
         return activation
 
@@ -163,17 +152,17 @@ class ReplicaFormation:
         repair found it broken (a member died) its survivors are in the pool already; when the failure was
         elsewhere, its members go back to the pool too (some may not have built their model yet), and its slot is
         freed for the next formation. Returns whether a waiting replica took the freed slot."""
-        activation = False
-        if formation.replica not in self.roster.retired:
-            activation = bool(self.roster.on_failure([formation.replica]).replacements)
+        activation, roster = False, self.membership.roster
+        if formation.replica not in roster.retired:
+            activation = bool(roster.on_failure([formation.replica]).replacements)
             alive = [m.rank for m in formation.members if m.rank in self.ft.live_ranks]
-            self.pool.add(self.ft.assignment.to_pool(alive))
-            self._drop_if_pooled(services)
-        if not self._holders():
+            self.membership.pool.add(self.ft.assignment.to_pool(alive))
+            self.host.drop_replica_if_pooled(services)
+        if not self.membership.holders:
             # the fault took the last replicas that hold the committed state: nobody can give it to a new one
             raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step,
                                        reason=f"no live replica holds the committed state of step {step}")
-        if self.roster.below_minimum(self.min_replicas):
+        if roster.below_minimum(self.min_replicas):
             raise BelowMinimumReplicas(len(self.ft.active_replicas), self.min_replicas, step)
         return activation
 
@@ -183,7 +172,7 @@ class ReplicaFormation:
         agreed over MPI) and builds its coordinate's model. The caller's Agree then closes the formation."""
         services.fault_point(step, Phase.FORMING)
         replica_comm = self.ft.form_replica(formation.replica, formation.ranks)
-        self._coordinates_changed()
+        self.host.take_coordinates()
         try:
             # the world Split need not fail on every rank alike: all learn that it worked before a member waits on
             # another in the rendezvous (a member whose Split failed is in the repair, not in the rendezvous)
@@ -192,11 +181,11 @@ class ReplicaFormation:
                 return
             services.fault_point(step, Phase.RENDEZVOUS)
             with self.ft.progress.slow_io(Phase.REPLICA_BUILD):  # like the build at start-up: the I/O allowance
-                init_replica_torch_world(replica_comm, self.timeout_s)
+                self.torch_world.start(replica_comm)
         finally:
             if replica_comm is not None:
                 replica_comm.Free()
-        self._build_replica(state, services)
+        self.host.build_formed_replica(state, services)
         services.fault_point(step, Phase.FORMATION)
 
 

@@ -1,10 +1,11 @@
 """A resilient rank's life as a process: start-up, hang events, how it ends, and the exit record it leaves.
 
-Two parts. :class:`ProcessLifecycle` is the object the resilient strategy holds (``strategy.lifecycle``) and the
-entry point talks to (the hooks ``on_exit`` / ``on_started``, the run dir, building the worlds, the hang monitor's
-events, eviction, the run's last agreement, the bounded shutdown), so that the step logic in :mod:`.resilient`
-stays about steps. An object rather than a base class: it owns those members, and the little of the strategy's
-state it needs (the FT world, the hang policy, the replica coordinates, the snapshots) is handed to it by name.
+Two parts. :class:`ProcessLifecycle` is the object the resilient strategy holds (``strategy.lifecycle``), built
+whole with what the entry point hands it (:class:`EntryHooks`: the run dir its records go to, its launch, the hook
+``on_started``): building the worlds, the exit record, the hang monitor's events, eviction, the run's last
+agreement, the bounded shutdown, so that the step logic in :mod:`.resilient` stays about steps. An object rather
+than a base class: it owns those members, and the little of the strategy's state it needs (the FT world, the hang
+policy, the replica coordinates, the snapshots) is handed to it by name.
 :func:`run_resilient` is the rank's whole run: build the strategy, train, and turn whatever ended the run into an
 exit code and an exit record (0 done or evicted, 3 relaunch to resume, 1 a bug that the same code would hit again:
 the job is aborted at once).
@@ -16,7 +17,7 @@ import datetime
 import json
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -29,15 +30,29 @@ from nanotron_recover.recovery.errors import EXIT_BELOW_MIN_REPLICAS, BelowMinim
 from nanotron_recover.run import run_folder
 from nanotron_recover.run.disk_space import full_disk_line, is_disk_full, written_path
 from nanotron_recover.run.exit_codes import EXIT_ABORTED, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART, NeedsPerson
+from nanotron_recover.run.launch_contract import LaunchContract
 
 if TYPE_CHECKING:
     from nanotron_recover.config import RecoverConfig
     from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
+    from nanotron_recover.training.torch_world import ReplicaTorchWorld
 
 # The entry point picks the classes (3D or HSDP strategy, the trainer) and hands them in: this module depends on
 # neither, so the strategy can hold the lifecycle object below.
-StrategyFactory = Callable[..., Any]  # (config, timeout_s, end_job=...) -> a ResilientDataParallel
-TrainerFactory = Callable[[Any, Path, Any], Any]  # (config, run_dir, strategy) -> a RecoverTrainer
+StrategyFactory = Callable[..., Any]  # (config, timeout_s, end_job=, launch=, entry=) -> a ResilientDataParallel
+TrainerFactory = Callable[[Any, Path, Any, Any], Any]  # (config, run_dir, strategy, launch) -> a RecoverTrainer
+
+
+@dataclass(frozen=True)
+class EntryHooks:
+    """What the entry point hands a rank's lifecycle: where its exit record and hang events go (None: nowhere, a
+    test's strategy), its world rank (for a record written before the FT world exists), the launch every line it
+    appends names, and what to call once every rank is ready (the entry point disarms its start-up watchdog)."""
+
+    run_dir: Path | None = None
+    rank: int = 0
+    launch_token: str | None = None
+    on_started: Callable[[], None] = field(default=lambda: None)
 
 
 @dataclass(frozen=True)
@@ -57,38 +72,43 @@ class ProcessLifecycle:
     shutdown) of a resilient rank: an object that :class:`~nanotron_recover.recovery.resilient.ResilientDataParallel`
     holds (``strategy.lifecycle``) and the entry point talks to.
 
-    Owns the entry point's hooks (``on_exit``, ``on_started``), the run dir its hang events go to, how the job is
-    ended (``end_job``), its :class:`LifecycleSettings` and the FT world (``ft``: built by :meth:`start_worlds`, with
-    this object's start-up failure and eviction callbacks, which is why it exists before the world; a test's
-    in-memory world is set by the strategy). Given by the strategy: the hang policy, and two callbacks into its
-    state: ``coordinates`` (this rank's replica and local rank, for the eviction's message) and ``snapshots`` (its
-    node-local snapshots, None when off or not set up yet)."""
+    Owns what the entry point hands it (:class:`EntryHooks`), how the job is ended (``end_job``), its
+    :class:`LifecycleSettings` and the FT world (``ft``: built by :meth:`start_worlds`, with this object's start-up
+    failure and eviction callbacks, which is why it exists before the world; a test's in-memory world is set by the
+    strategy). Given by the strategy: the hang policy, and two callbacks into its state: ``coordinates`` (this
+    rank's replica and local rank, for the eviction's message) and ``snapshots`` (its node-local snapshots, None
+    when off or not set up yet)."""
 
-    def __init__(self, settings: LifecycleSettings, end_job: Callable[[str], None], hang_policy: HangPolicy, *,
-                 coordinates: Callable[[], tuple[int | None, int | None]],
+    def __init__(self, settings: LifecycleSettings, end_job: Callable[[str], None], hang_policy: HangPolicy,
+                 entry: EntryHooks, *, coordinates: Callable[[], tuple[int | None, int | None]],
                  snapshots: Callable[[], LocalSnapshots | None]) -> None:
-        self.settings, self.hang_policy = settings, hang_policy
+        self.settings, self.hang_policy, self.entry = settings, hang_policy, entry
         self.ft: ReplicaWorld | None = None
-        self.on_exit: Callable[..., None] = lambda code, reason, **extra: None  # write this rank's exit record
-        self.on_started: Callable[[], None] = lambda: None  # every rank is ready (disarms the start-up watchdog)
-        self.run_dir: Path | None = None  # where hang events are appended (set by the entry point)
+        self.run_dir = entry.run_dir  # where the exit record and hang events go
         self._end_job, self._coordinates, self._snapshots = end_job, coordinates, snapshots
 
-    def start_worlds(self, world: Any, replica: int, active: list[int], timeout_s: float, *, ranks_per_replica: int,
-                     recycle: bool, mpi_wait: str, replica_context: Callable[[datetime.timedelta], Any]) -> tuple:
+    def record_exit(self, code: int, reason: str, **extra: Any) -> None:
+        """This rank's exit record (how close it came to its hang timeout included); none without a run dir."""
+        if self.run_dir is not None:
+            rank = self.ft.rank if self.ft is not None else self.entry.rank
+            run_folder.record_exit(self.run_dir, rank, code, reason, hang_margin=self.hang_margin(), **extra)
+
+    def start_worlds(self, world: Any, replica: int, active: list[int], torch_world: ReplicaTorchWorld, *,
+                     ranks_per_replica: int, recycle: bool, mpi_wait: str,
+                     replica_context: Callable[[datetime.timedelta], Any]) -> tuple:
         """The FT world over every rank (its start-up failure and eviction callbacks are this object's), then this
         rank's replica's torch world and its nanotron groups (``replica_context``): ``(ft, parallel_context)``."""
-        from nanotron_recover.ft import FTWorld  # mpi4py: the entry point initialised MPI before
-        from nanotron_recover.training.torch_world import init_replica_torch_world
+        from nanotron_recover.ft import FTWorld, WorldOptions  # mpi4py: the entry point initialised MPI before
 
         self.ft = FTWorld(world, ranks_per_replica, active_replicas=active, on_evict=self.on_evict,
-                          on_startup_failure=self.on_startup_failure, recycle=recycle, mpi_wait=mpi_wait)
+                          on_startup_failure=self.on_startup_failure,
+                          options=WorldOptions(recycle=recycle, mpi_wait=mpi_wait))
         STARTUP.mark("FT world")
         replica_comm = self.ft.world_comm.Split(color=replica, key=world.Get_rank())  # rendezvous only
-        init_replica_torch_world(replica_comm, timeout_s)
+        torch_world.start(replica_comm)
         replica_comm.Free()
         STARTUP.mark("replica torch world")
-        parallel_context = replica_context(datetime.timedelta(seconds=timeout_s))
+        parallel_context = replica_context(datetime.timedelta(seconds=torch_world.timeout_s))
         STARTUP.mark("nanotron groups")
         return self.ft, parallel_context
 
@@ -99,8 +119,8 @@ class ProcessLifecycle:
         nothing was trained yet, and no monitor would watch the repair (before: an abort, exit 1)."""
         try:
             self.ft.complete_startup()
-            STARTUP.ready()  # this rank's start-up, in the step's sums from now on (a relaunch's measured cost)
-            self.on_started()  # every rank is ready: the start-up watchdog is disarmed, a death is seen over MPI
+            STARTUP.ready()  # this rank's start-up ends (the logging rank's startup event: a relaunch's cost)
+            self.entry.on_started()  # every rank is ready: the start-up watchdog is disarmed, a death is seen over MPI
             fault_point()  # startup:agreed
             if self.settings.hang_monitor:  # off only to measure its cost (the same on every rank)
                 self.ft.start_hang_monitor(self.hang_policy, on_hang=self._log_hang,
@@ -110,11 +130,11 @@ class ProcessLifecycle:
 
     def on_startup_failure(self, dead: frozenset[int], detail: str = "") -> None:
         reason = f"rank(s) {sorted(dead)} died during start-up" if dead else f"start-up failed: {detail}"
-        self.on_exit(EXIT_RESTART, reason)
+        self.record_exit(EXIT_RESTART, reason)
         self._end_job(reason)
 
     def _end_job_from_monitor(self, reason: str) -> None:
-        self.on_exit(EXIT_RESTART, f"hang: {reason}")
+        self.record_exit(EXIT_RESTART, f"hang: {reason}")
         self._end_job(f"hang: {reason}")
 
     def _log_hang(self, record: dict[str, Any]) -> None:
@@ -127,7 +147,7 @@ class ProcessLifecycle:
         sys.stderr.write(f"[nanotron-recover] {json.dumps(record, default=str)}\n" + (stacks or ""))
         sys.stderr.flush()
         if self.run_dir is not None:
-            run_folder.append_metrics_record(self.run_dir, record)
+            run_folder.append_metrics_record(self.run_dir, record, launch=self.entry.launch_token)
 
     def hang_margin(self) -> dict[str, Any]:
         """How close this rank came to its hang timeout (kept in its exit record)."""
@@ -152,7 +172,7 @@ class ProcessLifecycle:
         """The watcher evicts a rank stuck in its replica's torch traffic; it exits 0 right after this."""
         replica, local_rank = self._coordinates()
         print(f"[nanotron-recover] replica {replica} rank {local_rank}: {reason}; exiting 0", flush=True)
-        self.on_exit(0, f"evicted by watcher: {reason}")
+        self.record_exit(0, f"evicted by watcher: {reason}")
         self.drop_snapshots()
 
     def drop_snapshots(self) -> None:
@@ -186,16 +206,17 @@ class ProcessLifecycle:
 
 # ------------------------------------------------------------------------------------------------ the rank's run
 def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, config: "RecoverConfig",
-                  run_dir: Path, timeout_s: float, on_started: Callable[[], None] | None = None) -> int:
+                  run_dir: Path, timeout_s: float, launch: LaunchContract,
+                  on_started: Callable[[], None] | None = None) -> int:
     """Build the resilient strategy over ULFM, train, and end: the rank's exit code (its record is written)."""
     from mpi4py import MPI  # MPI_Init (the entry point fired its after_mpi_init fault right before)
 
-    dp = _build_strategy(make_strategy, config, run_dir, timeout_s, MPI.COMM_WORLD.Get_rank())
-    if on_started is not None:
-        dp.lifecycle.on_started = on_started
+    entry = EntryHooks(run_dir=run_dir, rank=MPI.COMM_WORLD.Get_rank(), launch_token=launch.token,
+                       **({"on_started": on_started} if on_started is not None else {}))
+    dp = _build_strategy(make_strategy, config, timeout_s, launch, entry)
     trainer, extra = None, {}
     try:
-        trainer = make_trainer(config, run_dir, dp)
+        trainer = make_trainer(config, run_dir, dp, launch)
         trainer.train()
         code, reason = EXIT_DONE, "finished"
     except NeedsPerson as e:  # agreed by every rank: damaged state with no fallback, a non-finite step
@@ -210,29 +231,25 @@ def run_resilient(make_strategy: StrategyFactory, make_trainer: TrainerFactory, 
         code, reason = _stop_on_request(dp, trainer, e)
     except Exception as error:  # noqa: BLE001 - a fault seen as a torch error, or a bug
         code, reason = _after_error(dp, error)
-    dp.lifecycle.on_exit(code, reason, **extra)
+    dp.lifecycle.record_exit(code, reason, **extra)
     sys.stdout.flush()
     dp.lifecycle.shutdown(code=code)
     return code
 
 
-def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", run_dir: Path, timeout_s: float,
-                    rank: int) -> Any:
-    """The resilient strategy with its exit record hooked up. A peer that dies or hangs while the worlds are built
-    leaves nothing to recover yet: the job ends with the restart outcome."""
+def _build_strategy(make_strategy: StrategyFactory, config: "RecoverConfig", timeout_s: float,
+                    launch: LaunchContract, entry: EntryHooks) -> Any:
+    """The resilient strategy, its lifecycle built with the entry point's hooks. A peer that dies or hangs while
+    the worlds are built leaves nothing to recover yet: the job ends with the restart outcome."""
     try:
-        dp = make_strategy(config, timeout_s, end_job=end_job)
+        return make_strategy(config, timeout_s, end_job=end_job, launch=launch, entry=entry)
     except Exception as error:  # noqa: BLE001
         traceback.print_exc()
         reason = f"start-up failed: {type(error).__name__}: {error}"
-        run_folder.record_exit(run_dir, rank, EXIT_RESTART, reason)
+        if entry.run_dir is not None:
+            run_folder.record_exit(entry.run_dir, entry.rank, EXIT_RESTART, reason)
         end_job(reason)
         raise SystemExit(EXIT_RESTART) from error
-    life = dp.lifecycle
-    life.run_dir = run_dir
-    life.on_exit = lambda code, reason, **extra: run_folder.record_exit(run_dir, rank, code, reason,
-                                                                        hang_margin=life.hang_margin(), **extra)
-    return dp
 
 
 def _leave_evicted(dp: Any, e: ReplicaEvicted, after: str = "") -> tuple[int, str]:
@@ -303,7 +320,7 @@ def _end_for_full_disk(dp: Any, error: Exception) -> None:
     line = full_disk_line(written_path(error, run_dir), kept)
     print(f"[nanotron-recover] rank {dp.ft.rank}: {line}", file=sys.stderr, flush=True)
     try:
-        dp.lifecycle.on_exit(EXIT_NEEDS_PERSON, line, disk_full=True)
+        dp.lifecycle.record_exit(EXIT_NEEDS_PERSON, line, disk_full=True)
     except OSError:  # no room even for the record: the launcher checks the free space itself
         pass
     end_job(line, outcome="a person must act")
@@ -319,7 +336,7 @@ def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
     if dp.ft.starting:  # before every rank was ready there is no recovery: the job restarts
         traceback.print_exc()
         reason = f"start-up failed: {type(error).__name__}: {error}"
-        dp.lifecycle.on_exit(EXIT_RESTART, reason)
+        dp.lifecycle.record_exit(EXIT_RESTART, reason)
         end_job(reason)
     try:
         dp.lifecycle.join_repair_after_error()  # a dead replica-mate broke our torch traffic: leave with the repair
@@ -335,7 +352,7 @@ def _after_error(dp: Any, error: Exception) -> tuple[int, str]:
     traceback.print_exc()
     sys.stderr.flush()
     try:
-        dp.lifecycle.on_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
+        dp.lifecycle.record_exit(EXIT_ABORTED, f"aborted: {type(error).__name__}: {error}")
     except OSError:  # no record, but the job must still end now
         pass
     from mpi4py import MPI

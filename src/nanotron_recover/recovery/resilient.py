@@ -28,10 +28,11 @@ from nanotron_recover.ft import FailureDetected, HangPolicy, RepairEvent, Replic
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.errors import BelowMinimumReplicas
 from nanotron_recover.recovery.formation import ReplicaFormation, forget_torch_world
-from nanotron_recover.recovery.lifecycle import LifecycleSettings, ProcessLifecycle
-from nanotron_recover.recovery.rebalancing import StepStats
-from nanotron_recover.recovery.regrow import Regrow, log_news
+from nanotron_recover.recovery.lifecycle import EntryHooks, LifecycleSettings, ProcessLifecycle
+from nanotron_recover.recovery.membership import Membership
 from nanotron_recover.recovery.state_transfer import activate_new_replicas
+from nanotron_recover.recovery.step_sums import StepStats
+from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
 from nanotron_recover.snapshots.schedule import SnapshotSchedule
@@ -45,11 +46,12 @@ from nanotron_recover.training.seam import (
     LocalWork,
     StepServices,
 )
+from nanotron_recover.training.torch_world import ReplicaTorchWorld
 from nanotron_recover.training.training_state import TrainingState, fp32_accumulator
 from nanotron_recover.workload.planner import Plan, merge, orphans_of, plan_step, replan_orphans
 from nanotron_recover.workload.spares import ReplicaRoster
 
-REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see _repair)
+REPAIR_WITHOUT_FAILURE = "repair_without_failure"  # a repair round that found no dead rank (see log_repair)
 
 
 class ResilientDataParallel(DataParallelStrategy):
@@ -68,6 +70,8 @@ class ResilientDataParallel(DataParallelStrategy):
         timeout_s: float,
         end_job: Callable[[str], None],
         *,
+        launch: LaunchContract | None = None,
+        entry: EntryHooks | None = None,
         ft: ReplicaWorld | None = None,
         parallel_context: ReplicaParallelContext | None = None,
     ) -> None:
@@ -78,6 +82,8 @@ class ResilientDataParallel(DataParallelStrategy):
         self.keep_global_batch = ft_args.keep_global_batch
         self.recycle = ft_args.recycle
         self._timeout_s = timeout_s
+        self.launch = launch if launch is not None else LaunchContract()  # what the launcher told this rank
+        self.torch_world = ReplicaTorchWorld(timeout_s, self.launch.host)  # how a replica's torch world starts
         world = MPI.COMM_WORLD if ft is None else None
         if world is not None and world.Get_size() != config.world_size:
             raise SystemExit(f"nanotron-recover: launched with {world.Get_size()} ranks, the config needs "
@@ -89,35 +95,30 @@ class ResilientDataParallel(DataParallelStrategy):
         self.snapshots: LocalSnapshots | None = None  # node-local state snapshots (set up at resume, needs run_dir)
         self.hang_policy = HangPolicy.of(ft_args)  # every bound under collective_timeout_s
         self.lifecycle = ProcessLifecycle(LifecycleSettings.of(ft_args), end_job, self.hang_policy,
+                                          entry if entry is not None else EntryHooks(),
                                           coordinates=lambda: (self.replica, self.local_rank),
                                           snapshots=lambda: self.snapshots)
 
         active = list(range(par.dp))
-        self.roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
+        roster = ReplicaRoster(active=active, spares=list(range(par.dp, par.dp + ft_args.spare_replicas)))
         if ft is None:  # the FT world first: from here on a death anywhere is noticed (in start-up, ends the job)
             ft, parallel_context = self.lifecycle.start_worlds(
-                world, self.replica, active, timeout_s, ranks_per_replica=rpr, recycle=self.recycle,
+                world, self.replica, active, self.torch_world, ranks_per_replica=rpr, recycle=self.recycle,
                 mpi_wait=ft_args.mpi_wait, replica_context=self._replica_parallel_context)
         self.ft = self.lifecycle.ft = ft
         self.parallel_context = parallel_context
+        # who takes part: the roster, the pool, and the replicas holding the committed state of the last committed
+        # step (those that committed it; a spare or formed replica once its state transfer completed everywhere: one
+        # whose donor died mid-transfer holds initial weights). Only holders are planned work and write a checkpoint.
+        self.membership = Membership(ft, roster, rpr, self.recycle)
         self.formation = ReplicaFormation(  # recycling (recycle: true): the pool of survivors, new replicas
-            ft, self.roster, self.hang_policy, ranks_per_replica=rpr, min_replicas=self.min_replicas,
-            recycle=self.recycle, timeout_s=timeout_s, repair=self._repair, log_repair=self._log_repair,
-            apply_repairs=self._apply_repairs, applied=lambda: self._applied, holders=lambda: self.holders,
-            coordinates_changed=self._take_coordinates, build_replica=self._build_formed_replica,
-            drop_if_pooled=self._drop_replica_if_pooled)
-        self._applied = len(ft.events)  # repair events already applied to the roster and the pool
+            ft, self.membership, self, self.hang_policy, recycle=self.recycle, min_replicas=self.min_replicas,
+            torch_world=self.torch_world)
         self.step_stats = StepStats.of(config)  # the step's world-wide sums: loss, microbatches, each slot's speed
-        self._pending_activation = False
-        # Replicas holding the committed state of the last committed step: those that committed it, a spare or formed
-        # replica once its state transfer completed everywhere (one whose donor died mid-transfer holds initial
-        # weights). Only they are planned work and write a checkpoint.
-        self.holders: set[int] = set(active)
         self._step_started = 0.0
         # which committed steps are snapshotted: the same decision on every rank, spares and pool ranks included
         self.snapshot_schedule = SnapshotSchedule.of_settings(SnapshotSettings.of(config))
         self._last_step_s: float | None = None
-        self.regrow = Regrow.of(config)  # back to full width through a relaunch, when that pays
 
     def _replica_parallel_context(self, timeout: datetime.timedelta) -> ReplicaParallelContext:
         """A 3D replica: nanotron's TP x PP groups over the replica's torch world (dp = 1 inside it)."""
@@ -179,14 +180,11 @@ class ResilientDataParallel(DataParallelStrategy):
             plan, todo = self._recover(services, step, plan, repaired)
         if self.buckets is not None:
             self.buckets.release(step)  # committed: the snapshots are no longer needed
-        self.holders = set(plan)  # the replicas that computed and committed this step, still alive
-        stats, balance = self.step_stats.stats, self.step_stats.observe(self.roster)  # the committed attempt's
-        # the job's last step: a rank got a stop signal, or coming back to full width through a relaunch pays
-        sums = self.step_stats
-        stop = sums.stop_at(step) or self.regrow.after_commit(
-            step, len(plan), self.snapshot_schedule.step_s, sums.startup_s(), sums.standby_ready(), sums.nodes_back())
+        self.membership.committed(plan)  # the replicas that computed and committed this step, still alive
+        balance = self.step_stats.observe(self.roster)  # the committed attempt's speeds
+        stop = self.step_stats.stop_at(step)  # the job's last step: a rank got a stop signal (the launcher's too)
         self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
-        committed, loss = int(round(stats[1])), float(stats[0])
+        loss, committed = self.step_stats.loss_and_microbatches()
         if committed != self.M:
             if self.keep_global_batch:
                 raise RuntimeError(f"step {step} committed {committed} microbatches, expected {self.M}")
@@ -239,20 +237,32 @@ class ResilientDataParallel(DataParallelStrategy):
             services.metrics.log_event({"event": "data_plane_group", "step": step, "backend": self.data_plane.backend,
                                         **built})
 
-    def _repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
+    @property
+    def roster(self) -> ReplicaRoster:
+        return self.membership.roster
+
+    @property
+    def holders(self) -> set[int]:
+        return self.membership.holders
+
+    @holders.setter
+    def holders(self, replicas: set[int]) -> None:
+        self.membership.holders = set(replicas)
+
+    def repair(self, services: StepServices, step: int, phase: str, since_epoch: int | None = None) -> RepairEvent:
         """Repair the world (``ReplicaEvicted`` on a rank of a failed replica, unless recycling keeps it in the
         pool), update the roster, log the event. ``since_epoch``: see :meth:`FTWorld.repair`."""
         self.ft.repair_hook = lambda point, attempt: (
             services.fault_point(step, Phase.REPAIR) if point == "after_shrink" else None
         )
         event = self.ft.repair(since_epoch)
-        self._log_repair(services, step, phase, event)
+        self.log_repair(services, step, phase, event)
         return event
 
-    def _log_repair(self, services: StepServices, step: int, phase: str, event: RepairEvent) -> None:
+    def log_repair(self, services: StepServices, step: int, phase: str, event: RepairEvent) -> None:
         """Apply the repair to the roster (and the pool) and log it. The new lowest live rank takes over logging,
         re-logging the last committed step in case the old logger died before writing it."""
-        changes = self._apply_repairs(services)
+        changes = self.apply_repairs(services)
         metrics = services.metrics
         logging = self.is_logging_rank()
         if logging and not metrics.enabled:
@@ -269,21 +279,15 @@ class ResilientDataParallel(DataParallelStrategy):
             # repair alike, Shrink finds nobody dead, the step is reduced again from its snapshots (trajectory kept).
             record["event"] = REPAIR_WITHOUT_FAILURE
         metrics.log_event(record)
-        news = self.formation.pool_news(step, event)
+        news = self.membership.pool_news(step, event)
         if news is not None:
             metrics.log_event(news)
 
-    def _apply_repairs(self, services: StepServices) -> list:
-        """Every repair this rank has not applied yet (the watcher's too) goes into the roster and the pool, in
-        order; the same on every rank. A rank moved to the pool drops its replica's model and torch world."""
-        events = self.ft.events[self._applied:]
-        changes = [self.roster.on_failure(event.failed_replicas) for event in events]
-        self.holders -= {r for event in events for r in event.failed_replicas}
-        self.formation.apply_repairs(events)
-        self._applied = len(self.ft.events)
-        if any(change.replacements for change in changes):
-            self._pending_activation = True
-        self._drop_replica_if_pooled(services)
+    def apply_repairs(self, services: StepServices) -> list:
+        """Every repair this rank has not applied yet (the watcher's too) goes into the membership, in order; the
+        same on every rank. A rank moved to the pool drops its replica's model and torch world."""
+        changes = self.membership.apply_repairs()
+        self.drop_replica_if_pooled(services)
         return changes
 
     def _recover(self, services: StepServices, step: int, plan: Plan, repaired: list[RepairEvent] | None = None,
@@ -293,7 +297,7 @@ class ResilientDataParallel(DataParallelStrategy):
         if repaired is not None:
             events = repaired
         else:
-            event = self._repair(services, step, "in-step", since_epoch)
+            event = self.repair(services, step, "in-step", since_epoch)
             # the watcher may have repaired more than once since the failure was raised: all of them count
             events = [e for e in self.ft.events if e.epoch > since_epoch] if since_epoch is not None else [event]
         failed = sorted({r for event in events for r in event.failed_replicas})
@@ -323,16 +327,14 @@ class ResilientDataParallel(DataParallelStrategy):
 
     def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
         """Recycling forms new replicas; spares and new replicas that took a slot get the committed state."""
-        self._pending_activation |= self.formation.form(step, state, services)
+        self.membership.activation_due |= self.formation.form(step, state, services)
         self.progress(step, Phase.SPARE_ACTIVATION)
-        if self._pending_activation:
+        if self.membership.activation_due:
             activate_new_replicas(self.ft, self.roster, step, state, services, formed_at=self.formation.formed_at,
                                   min_replicas=self.min_replicas, computes=self.computes,
-                                  repair=lambda epoch: self._repair(services, step, Phase.SPARE_ACTIVATION, epoch))
-            self.holders = set(self.roster.active)  # every new replica received the committed state
+                                  repair=lambda epoch: self.repair(services, step, Phase.SPARE_ACTIVATION, epoch))
+            self.membership.activated()  # every new replica received the committed state
             self.formation.activated()
-            self._pending_activation = False
-        log_news(self.regrow, services.metrics.log_event)
         news = self.snapshot_schedule.news(step)
         if news is not None:
             services.metrics.log_event(news)
@@ -358,12 +360,12 @@ class ResilientDataParallel(DataParallelStrategy):
     def resume_from_local_snapshot(self, state: TrainingState, newer_than: int | None,
                                    rolled_back: bool = False) -> int | None:
         self.snapshots = LocalSnapshots.for_config(self.config, self.lifecycle.run_dir or Path("."), self.ft,
-                                                   self.replica, self.local_rank)
+                                                   self.replica, self.local_rank, launch=self.launch)
         self.progress(0, Phase.LOCAL_SNAPSHOT_RESUME)
         return self.snapshots.resume(state, newer_than, rolled_back)
 
     def finish(self, step: int, services: StepServices) -> None:
-        self.lifecycle.finish(repair=lambda: self._repair(services, step, "end"))
+        self.lifecycle.finish(repair=lambda: self.repair(services, step, "end"))
 
     # ------------------------------------------------------------------------------------------------- start-up
     def startup_complete(self, fault_point: Callable[[], None] = lambda: None) -> None:
@@ -377,20 +379,20 @@ class ResilientDataParallel(DataParallelStrategy):
         return self.ft.allgather_object(obj)
 
     # ------------------------------------------------------------------------------------------------- recycling
-    def _take_coordinates(self) -> None:
-        self.replica, self.local_rank = self.ft.replica, self.ft.local_rank
+    def take_coordinates(self) -> None:
+        self.replica, self.local_rank = self.membership.seat()
 
-    def _build_formed_replica(self, state: TrainingState, services: StepServices) -> None:
+    def build_formed_replica(self, state: TrainingState, services: StepServices) -> None:
         """A member of a new replica, its torch world started: nanotron's groups and its coordinate's model."""
         with self.slow_io(Phase.REPLICA_BUILD):  # like the same build at start-up: the I/O allowance, not a step's
             self.parallel_context = self._replica_parallel_context(datetime.timedelta(seconds=self._timeout_s))
             services.rebuild_replica(self.parallel_context)
         self.zero_grad(state)  # as every rank did after this step's optimizer step
 
-    def _drop_replica_if_pooled(self, services: StepServices) -> None:
+    def drop_replica_if_pooled(self, services: StepServices) -> None:
         """Pooled: drop the model, buckets, snapshots and torch world, so that a mate waiting on this rank in torch
         traffic gets an error now, not at its timeout (gloo closes a connection with its group's last reference)."""
-        self._take_coordinates()
+        self.take_coordinates()
         if not (self.recycle and self.ft.pooled):
             return
         held = self.parallel_context is not None
@@ -441,6 +443,6 @@ class ResilientDataParallel(DataParallelStrategy):
                 self.ft.agree(True, epoch)
                 return
             except FailureDetected:
-                self._repair(services, step, Phase.CHECKPOINT, epoch)
+                self.repair(services, step, Phase.CHECKPOINT, epoch)
                 if self.roster.below_minimum(self.min_replicas):
                     raise BelowMinimumReplicas(len(self.roster.active), self.min_replicas, step) from None

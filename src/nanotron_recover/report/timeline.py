@@ -20,7 +20,7 @@ from nanotron_recover.report.records import RunRecords, RunSize
 
 REPAIR_KINDS = ("repair", "repair_without_failure")
 # a launch that ended itself: below min_replicas, on a stop signal, or to come back at full width (regrow)
-STOP_EVENTS = ("stopped", "stop_signal", "regrow_stop")
+STOP_EVENTS = ("stopped", "stop_signal", "regrow_stop")  # a launch's stop events, the most telling last
 MARKED_EVENTS = ("repair", "repair_without_failure", "hang_detected", "spare_activated", "replica_formed",
                  "pool_changed", "stopped")
 
@@ -240,7 +240,9 @@ def _launches(points: Sequence[StepPoint], records: Sequence[dict[str, Any]], la
         mine = [p for p in points if p.launch == k]
         own = [r for r, n in zip(records, launch_of) if n == k]
         times = [t for r in own if (t := event_time(r)) is not None]
-        stopped = next((str(r.get("reason", "")) for r in own if r.get("event") in STOP_EVENTS), None)
+        # the most telling stop: the launcher's regrow names why it sent the stop signal the ranks logged
+        stopped = next((str(r.get("reason", "")) for kind in reversed(STOP_EVENTS) for r in own
+                        if r.get("event") == kind), None)
         out.append(Launch(index=k, first_step=mine[0].step, last_step=mine[-1].step, start=mine[0].start,
                           end=max(times, default=mine[-1].time), stopped=stopped))
     return out

@@ -19,8 +19,8 @@ def cuda_available() -> bool:
 def local_rank() -> int:
     """The process's rank on its node, as the launcher tells it (mpirun or torchrun)."""
     for key in ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID"):
-        if key in os.environ:
-            return int(os.environ[key])
+        if key in os.environ:  # the launcher's (Open MPI, torchrun or Slurm) local rank
+            return int(os.environ[key])  # the launcher's local rank
     return 0
 
 

@@ -18,7 +18,6 @@ A launch that ended on purpose (a stop signal, a regrow) failed at no step. Stan
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -39,7 +38,6 @@ NEEDS_PERSON = "needs_person"
 OUTCOME_EXIT_CODES = {"done": EXIT_DONE, NEEDS_PERSON: EXIT_NEEDS_PERSON, "aborted": EXIT_NEEDS_PERSON,
                       "restart": EXIT_RESTART}
 OUTCOMES_FILE = "outcomes.jsonl"
-MAX_STARTUP_FAILURES_ENV = "NANOTRON_RECOVER_MAX_STARTUP_FAILURES"
 DEFAULT_MAX_STARTUP_FAILURES = 3
 STOPS_ON_PURPOSE = ("stop_signal", "regrow_stop")  # events of a launch that ended at a step boundary on purpose
 
@@ -75,7 +73,8 @@ def run_outcome(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_pat
 
 
 def judge_launch(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_path: str = "checkpoints", *,
-                 needs_final_checkpoint: bool = False, max_startup_failures: int | None = None) -> tuple[str, str]:
+                 needs_final_checkpoint: bool = False,
+                 max_startup_failures: int = DEFAULT_MAX_STARTUP_FAILURES) -> tuple[str, str]:
     """:func:`run_outcome`, recorded in ``outcomes.jsonl``; a restart that repeats a start-up failure, or a failure
     at the same step, for the ``max_startup_failures``-th time in a row becomes ``needs_person``: a requeue would
     meet it again, all night."""
@@ -94,7 +93,7 @@ def judge_launch(run_dir: Path, train_steps: int, mpirun_rc: int, checkpoints_pa
               "reasons": reasons, "failed_step": failed, "suspects": suspect_microbatches(mine, failed),
               "time": time.time()}
     append_line(Path(run_dir) / OUTCOMES_FILE, json.dumps(record))
-    limit = max_startup_failures if max_startup_failures is not None else max_startup_failures_setting()
+    limit = max_startup_failures  # 0: never stop requeueing
     outcomes = read_metrics_jsonl(Path(run_dir) / OUTCOMES_FILE)
     if verdict != "restart" or limit <= 0:
         return verdict, detail
@@ -197,8 +196,3 @@ def _reasons(outcome: dict[str, Any]) -> list[str]:
     signature = str(outcome.get("signature", ""))
     return signature.split("; ") if signature else []
 
-
-def max_startup_failures_setting() -> int:
-    """``NANOTRON_RECOVER_MAX_STARTUP_FAILURES`` (default 3; 0: never stop requeueing)."""
-    value = os.environ.get(MAX_STARTUP_FAILURES_ENV, "")
-    return int(value) if value.strip().isdigit() else DEFAULT_MAX_STARTUP_FAILURES

@@ -8,6 +8,7 @@ One run folder (``--run-dir``) holds everything a run leaves behind, over all th
     exits/rank-<r>.json  how each rank of the current launch ended (``code``, ``reason``); a SIGKILLed rank leaves none
     launches.jsonl       one record per launch (time, world size, M, train steps, who launched it)
     launches/<n>/exits/  the exit records of launch n, moved there when launch n + 1 begins
+    .standby/<id>/       a warm standby's folder: its ranks' ready files, the launcher's go or cancel
     outcomes.jsonl       how each launch was judged (:mod:`nanotron_recover.run.outcome`), for the repeat counts
     injected/<name>      one JSON record per fired fault of the schedule, and a marker per fault sent from outside
     hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
@@ -28,6 +29,8 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from nanotron_recover.run.launch_contract import TOKEN_ENV
 
 METRICS_FILE = "metrics.jsonl"
 RUN_ID_FILE = "run_id.txt"
@@ -126,9 +129,11 @@ def metrics_path(run_dir: Path) -> Path:
     return Path(run_dir) / METRICS_FILE
 
 
-def append_metrics_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """A record from a rank that is not the logging rank (a hang event): one appended line, naming its launch."""
-    append_line(metrics_path(run_dir), json.dumps({**record, "launch": launch_token()}, default=str))
+def append_metrics_record(run_dir: Path, record: dict[str, Any], launch: str | None = None) -> None:
+    """A record from a rank that is not the logging rank (a hang event), or from the launcher (its regrow
+    decisions): one appended line, naming its ``launch`` (its token)."""
+    line = {**record, "launch": launch}
+    append_line(metrics_path(run_dir), json.dumps(line, default=str))
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -275,18 +280,11 @@ def begin_launch(run_dir: Path, record: dict[str, Any]) -> int:
     return number
 
 
-STANDBY_READY_FILE = "standby_ready"  # the launcher's word to the job: the standby after a loss is ready
+STANDBY_DIR = ".standby"  # the warm standbys' folders: ready files every node's ranks can write and the launcher read
 
 
-def standby_ready_path(run_dir: Path) -> Path:
-    return Path(run_dir) / STANDBY_READY_FILE
-
-
-NODES_BACK_FILE = "nodes_back"  # the launcher's word to a job run narrower: a missing node answers again
-
-
-def nodes_back_path(run_dir: Path) -> Path:
-    return Path(run_dir) / NODES_BACK_FILE
+def standby_root(run_dir: Path) -> Path:
+    return Path(run_dir) / STANDBY_DIR
 
 
 def read_launches(run_dir: Path) -> list[dict[str, Any]]:
@@ -296,19 +294,11 @@ def read_launches(run_dir: Path) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------ the lock
 LOCK_FILE = ".launch.lock"
-LOCK_WAIT_ENV = "NANOTRON_RECOVER_LOCK_WAIT_S"
-LAUNCH_TOKEN_ENV = "NANOTRON_RECOVER_LAUNCH_TOKEN"  # one per launch: the temporary names its writers use
-
-
-def launch_token() -> str | None:
-    """This rank's launch token (the launcher gives each launch its own): every line a rank writes into the run
-    folder names it, so a reader tells the launches apart (a rank of an old launch writing late shows)."""
-    return os.environ.get(LAUNCH_TOKEN_ENV)
 
 
 def token_in(cmd: Sequence[str]) -> str | None:
     """The launch token that the launch line ``cmd`` gives its ranks (``-x NAME=token``)."""
-    prefix = f"{LAUNCH_TOKEN_ENV}="
+    prefix = f"{TOKEN_ENV}="
     return next((part[len(prefix):] for part in cmd if part.startswith(prefix)), None)
 
 
@@ -316,16 +306,17 @@ class RunFolderBusy(RuntimeError):
     """Another launch holds the run folder."""
 
 
-def hold_run_folder(run_dir: Path, wait_s: float | None = None) -> int:
+def hold_run_folder(run_dir: Path, wait_s: float = 30.0) -> int:
     """Take the run folder's lock for this launch (an exclusive ``flock``; the kernel drops it when every holder
     of the descriptor is gone, a SIGKILLed launcher included). The descriptor is passed on to ``mpirun``, so the
-    lock lasts as long as the job. Waits up to ``wait_s`` (default ``$NANOTRON_RECOVER_LOCK_WAIT_S`` or 30 s) for
-    a launch that is ending; -> the descriptor. :class:`RunFolderBusy` names the holder."""
+    lock lasts as long as the job. Waits up to ``wait_s`` (the launcher's setting,
+    ``$NANOTRON_RECOVER_LOCK_WAIT_S``) for a launch that is ending; -> the descriptor. :class:`RunFolderBusy` names
+    the holder."""
     import fcntl
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    wait = float(os.environ.get(LOCK_WAIT_ENV, "30")) if wait_s is None else wait_s
+    wait = wait_s
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + wait
     while True:

@@ -34,7 +34,8 @@ file at the scan), the payload's at the agreement.
 complete; older files go only after that. If a write fails (``ENOSPC``), the partial file is removed, a message
 says so at once, and this rank's snapshots turn off (its older complete ones stay usable); ``finish`` never raises.
 At a relaunch every node checks its own free space for its ranks (the launcher can check only its own host).
-Snapshot folders of other runs of this user untouched for :data:`STALE_AFTER_S` (crashed runs) are deleted.
+Snapshot folders of other runs of this user untouched for three days (crashed runs; the launch may say another age)
+are deleted.
 
 **Bounded memory at a relaunch.** A rank that lacks its coordinate's snapshot receives it piece by piece
 (:data:`CHUNK_BYTES`) straight into its state tensors; a sender reads each piece once for all of its receivers, and
@@ -43,21 +44,19 @@ the receivers of one coordinate are spread over its holders (``benchmarks/snapsh
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.run_folder import ensure_run_id
 from nanotron_recover.snapshots.catalog import _FILE, SUFFIX, Key, Snapshot, by_key, scan
 from nanotron_recover.snapshots.format import _raw_bytes, extras_of, payload_checksum, verify_file
 from nanotron_recover.snapshots.relaunch import Loaded, _stream, choose_snapshot, resumed_line, transfer_plan
 from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import (
-    STALE_AFTER_ENV,
-    STALE_AFTER_S,
     _say,
     config_hash,
     new_history_id,
@@ -127,9 +126,12 @@ class LocalSnapshots:
 
     @classmethod
     def for_config(cls, config: Any, run_dir: Path, ft: Any, replica: int, coord: int,
-                   log: Callable[[str], None] = print) -> LocalSnapshots:
-        """The store of a job's ``config``: what it needs of it (its settings, identity, ranks per replica)."""
-        return cls(SnapshotSettings.of(config), config_hash=config_hash(config),
+                   log: Callable[[str], None] = print, launch: LaunchContract | None = None) -> LocalSnapshots:
+        """The store of a job's ``config``: what it needs of it (its settings, identity, ranks per replica), and of
+        its launch (this node's name, the age of another run's folder that is removed)."""
+        launch = launch if launch is not None else LaunchContract()
+        settings = SnapshotSettings.of(config, node=launch.node_name, stale_after_s=launch.snapshot_stale_s)
+        return cls(settings, config_hash=config_hash(config),
                    ranks_per_replica=config.ranks_per_replica, run_dir=run_dir, ft=ft, replica=replica, coord=coord,
                    log=log)
 
@@ -216,8 +218,7 @@ class LocalSnapshots:
             return {}
 
     def _clean_stale(self) -> None:
-        max_age = float(os.environ.get(STALE_AFTER_ENV, STALE_AFTER_S))
-        remove_stale_runs(self.base, self.run_id, max_age, self.log)
+        remove_stale_runs(self.base, self.run_id, self.settings.stale_after_s, self.log)
 
     def resume(self, state: Any, newer_than: int | None, rolled_back: bool = False) -> int | None:
         """Collective over the world at start-up: agree on the newest (history, step) that every coordinate holds

@@ -11,7 +11,7 @@ between neighbours (logging an event each time) for nothing, since the expected 
 interval k times off costs ``(k + 1/k) / 2 - 1`` more of it: 8 % at 1.5x).
 
 Every rank must snapshot the same steps (a relaunch loads a step that every coordinate holds), so the schedule is
-fed only the step's world-wide sums (:class:`~nanotron_recover.recovery.rebalancing.StepStats`), which are
+fed only the step's world-wide sums (:mod:`~nanotron_recover.recovery.step_sums`), which are
 integers of microseconds: their sums are exact in float64 and the same on every rank, whatever order MPI adds
 in, and so is every decision drawn from them, spares and pool ranks included.
 """
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from nanotron_recover.snapshots.settings import SnapshotSettings
 
 DEAD_BAND = 1.5  # the auto interval stays while Young's value is within this factor of it
+# this tenant's entries of the step's sums: the writers' last write cost, the ranks' last step (whole µs), and how
+# many of each measured one
+SNAPSHOT_SUMS = (("snapshot_cost_us", 1), ("snapshot_writers", 1), ("step_us", 1), ("step_ranks", 1))
 
 
 def young_steps(cost_s: float, step_s: float, mtbf_s: float, max_interval: int) -> float:

@@ -9,7 +9,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import stat
 import sys
 import time
@@ -18,9 +17,6 @@ from typing import Any, BinaryIO, Callable
 
 from nanotron_recover.snapshots.settings import SnapshotSettings
 
-NODE_NAME_ENV = "NANOTRON_RECOVER_NODE_NAME"  # set by a test bed's stand-in for ssh; else the host name
-STALE_AFTER_ENV = "NANOTRON_RECOVER_SNAPSHOT_STALE_S"
-STALE_AFTER_S = 3 * 24 * 3600.0  # another run's folder untouched this long: its run crashed and was not relaunched
 RESERVED_FRACTION = 10  # snapshots leave 1/10 of their file system free
 _ID = re.compile(r"[0-9a-f]{8,64}")  # run ids and history ids: they become path components
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -36,9 +32,8 @@ def _say(log: Callable[[str], None], message: str) -> None:
     sys.stdout.flush()
 
 
-def node_name() -> str:
-    """This node's name (a path component: refused unless a plain host name)."""
-    name = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+def node_folder_name(name: str) -> str:
+    """A node's name as a path component: refused unless a plain host name."""
     if not _NODE.fullmatch(name):
         raise StoreRefused(f"node name {name!r} is not a plain host name: not used as a snapshot folder")
     return name
@@ -72,8 +67,8 @@ def config_hash(config: Any) -> str:
 
 
 def snapshot_folder(settings: SnapshotSettings, run_id: str) -> Path:
-    """This node's folder of the snapshots of run ``run_id``."""
-    return settings.folder / run_id / node_name()
+    """This node's folder of the snapshots of run ``run_id`` (the node the settings name)."""
+    return settings.folder / run_id / node_folder_name(settings.node)
 
 
 def private_dir(path: Path) -> Path:

@@ -27,7 +27,7 @@ from nanotron_recover.nanotron_compat.quiet_save import install_quiet_weight_sav
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
 from nanotron_recover.run.disk_space import DiskFull, is_disk_full, written_path
 from nanotron_recover.run.exit_codes import NeedsPerson
-from nanotron_recover.run.run_folder import LAUNCH_TOKEN_ENV, fsync_dir, write_atomically
+from nanotron_recover.run.run_folder import fsync_dir, write_atomically
 from nanotron_recover.training.checkpoint_integrity import (
     CHECKSUM_KIND,
     FILES_KEY,
@@ -162,8 +162,12 @@ def resumes_own_checkpoints(root: Path | None) -> bool:
 
 
 class CheckpointManager:
-    def __init__(self, config: RecoverConfig, run_dir: Path, layout: CheckpointLayout | None = None) -> None:
+    def __init__(self, config: RecoverConfig, run_dir: Path, layout: CheckpointLayout | None = None,
+                 launch_token: str = "0") -> None:
         self.config = config
+        # a temporary folder is named for its launch (and world epoch): a writer of another launch (a frozen node
+        # that thaws) or of an earlier attempt at this step can never publish what this one wrote
+        self.launch_token = launch_token
         self.layout = layout if layout is not None else NanotronLayout()
         args = config.checkpoints
         self.interval = args.checkpoint_interval if args is not None else None
@@ -194,10 +198,7 @@ class CheckpointManager:
         rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``)."""
         if not writer:
             return
-        # a name of this launch and world epoch alone: a writer of another launch (a frozen node that thaws) or of
-        # an earlier attempt at this step can never publish what this one wrote
-        token = os.environ.get(LAUNCH_TOKEN_ENV, "0")
-        tmp = self.root / f"{TMP_PREFIX}{step}-{token}-e{(extra_state or {}).get('epoch', 0)}"
+        tmp = self.root / f"{TMP_PREFIX}{step}-{self.launch_token}-e{(extra_state or {}).get('epoch', 0)}"
         if self._saved_already(step, publisher):
             return
         try:

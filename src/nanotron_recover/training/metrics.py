@@ -92,14 +92,14 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool, wandb_config: Mapping[str, Any] | None = None,
-                 wandb_init: Callable[..., Any] | None = None) -> None:
+                 wandb_init: Callable[..., Any] | None = None, launch: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self._wandb_init = wandb_init or _start_wandb_run  # a seam: tests hand in a recording stand-in
         # wraps wandb's start (seconds: it spawns a service process, then replays): the trainer tells the hang
         # monitor, for a rank that becomes the logging rank mid-run starts wandb inside a step
         self.slow_io: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.path = run_folder.metrics_path(self.run_dir)
-        self.launch = run_folder.launch_token()  # each line names the launch that wrote it
+        self.launch = launch  # each line names the launch (its token) that wrote it
         self.wandb_config = dict(wandb_config) if wandb_config is not None else None
         if self.wandb_config is not None and not self.wandb_config.pop("enabled", True):
             self.wandb_config = None
@@ -197,7 +197,7 @@ class MetricsLogger:
             if unknown:
                 logger.warning("metrics: ignoring unknown wandb options %s", unknown)
             kwargs.setdefault("project", "nanotron-recover")
-            kwargs.setdefault("mode", os.environ.get("WANDB_MODE", "offline"))
+            kwargs.setdefault("mode", os.environ.get("WANDB_MODE", "offline"))  # wandb's own: the user's choice wins
             kwargs.setdefault("dir", str(self.run_dir))
             if "id" not in kwargs:
                 kwargs["id"] = run_folder.ensure_run_id(self.run_dir)  # wandb's run is the run folder's

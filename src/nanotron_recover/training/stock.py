@@ -29,6 +29,7 @@ from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelCon
 from nanotron_recover.process.stop_request import STOP
 from nanotron_recover.run import devices
 from nanotron_recover.run.exit_codes import EXIT_DONE, EXIT_NEEDS_PERSON, NeedsPerson
+from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.run_folder import record_exit
 from nanotron_recover.training.buckets import GradBuckets
 from nanotron_recover.training.seam import (
@@ -121,11 +122,11 @@ class StockDataParallel(DataParallelStrategy):
         write(True, lambda: torch_dist.barrier(), self.world_rank == 0, extra_state)
 
 
-def run_stock(config: RecoverConfig, run_dir: Path, timeout_s: float) -> int:
+def run_stock(config: RecoverConfig, run_dir: Path, timeout_s: float, launch: LaunchContract) -> int:
     """A rank of the stock path, from its torch world to its exit record; returns its exit code."""
     STOP.uninstall()  # stock nanotron ends on a signal: the checkpoint-restart baseline keeps doing so
     init_stock_torch_world(timeout_s)
-    trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s))
+    trainer = RecoverTrainer(config, run_dir, StockDataParallel(config, timeout_s), launch)
     code, reason, extra = EXIT_DONE, "finished", {}
     try:
         trainer.train()

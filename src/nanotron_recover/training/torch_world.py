@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as torch_dist
@@ -35,17 +36,29 @@ def _set_torch_env(rank: int, world_size: int, host: str, port: int) -> None:
     )
 
 
-def rendezvous_host() -> str:
-    """Address other ranks use to reach this host's TCPStore (``NANOTRON_RECOVER_HOST`` wins when set)."""
-    if os.environ.get("NANOTRON_RECOVER_HOST"):
-        return os.environ["NANOTRON_RECOVER_HOST"]
+def rendezvous_host(host: str | None = None) -> str:
+    """Address other ranks use to reach this host's TCPStore (``host``, the launch's word, wins when given)."""
+    if host:
+        return host
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
 
 
-def init_replica_torch_world(replica_comm: "MPI.Comm", timeout_s: float) -> None:
+@dataclass(frozen=True)
+class ReplicaTorchWorld:
+    """How a replica's torch world is started, at start-up and when recycled ranks form a new replica: the
+    collective timeout, and the rendezvous address the launch names (None: this host's)."""
+
+    timeout_s: float
+    host: str | None = None
+
+    def start(self, replica_comm: "MPI.Comm") -> None:
+        init_replica_torch_world(replica_comm, self.timeout_s, self.host)
+
+
+def init_replica_torch_world(replica_comm: "MPI.Comm", timeout_s: float, host: str | None = None) -> None:
     """Start this replica's torch default group; the rendezvous address is agreed over ``replica_comm``.
 
     Local rank 0 opens a TCPStore on a free port (port 0: no race for a port) and broadcasts where it is.
@@ -54,7 +67,7 @@ def init_replica_torch_world(replica_comm: "MPI.Comm", timeout_s: float) -> None
     timeout = datetime.timedelta(seconds=timeout_s)
     store = None
     if rank == 0:
-        host = rendezvous_host()
+        host = rendezvous_host(host)
         store = torch_dist.TCPStore(host, 0, world_size=size, is_master=True, timeout=timeout, wait_for_workers=False)
         address = (host, store.port)
     else:
@@ -77,10 +90,11 @@ def init_stock_torch_world(timeout_s: float) -> None:
 
     Rank and size come from the launcher (Open MPI or torchrun variables); MASTER_ADDR/MASTER_PORT must be set.
     """
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
-    size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
+    # Open MPI's (or torchrun's) rank and size, and torch's rendezvous address, as stock nanotron reads them
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))  # Open MPI's, torchrun's
+    size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))  # Open MPI's, torchrun's
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # torch's rendezvous
+    port = int(os.environ.get("MASTER_PORT", "29500"))  # torch's rendezvous
     _set_torch_env(rank, size, host, port)
     devices.set_current_device()
     torch_dist.init_process_group(

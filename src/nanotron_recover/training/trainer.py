@@ -34,6 +34,7 @@ from nanotron_recover.process.startup_guard import waiting_for_peers
 from nanotron_recover.process.stop_request import StopRequested
 from nanotron_recover.run import devices
 from nanotron_recover.run.exit_codes import NeedsPerson
+from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.training.checkpoint import CheckpointManager
 from nanotron_recover.training.checkpoint_resume import settle_root
@@ -55,8 +56,10 @@ class RecoverTrainer:
     :class:`~nanotron_recover.training.seam.TrainingState` it reads and hands it :class:`StepServices`.
     """
 
-    def __init__(self, config: RecoverConfig, run_dir: Path, data_parallel: DataParallelStrategy) -> None:
+    def __init__(self, config: RecoverConfig, run_dir: Path, data_parallel: DataParallelStrategy,
+                 launch: LaunchContract | None = None) -> None:
         self.config = config
+        self.launch = launch if launch is not None else LaunchContract()  # what the launcher told this rank
         self.run_dir = Path(run_dir)
         self.dp = data_parallel
         self.parallel_context = data_parallel.parallel_context
@@ -65,7 +68,7 @@ class RecoverTrainer:
         # the schedule also applies with fault tolerance off: the stock path then dies (checkpoint-restart baseline)
         self.injector = FailureInjector(
             config.fault_tolerance.inject if config.fault_tolerance else [],
-            data_parallel.replica, data_parallel.local_rank, run_dir=self.run_dir,
+            data_parallel.replica, data_parallel.local_rank, run_dir=self.run_dir, launch_token=self.launch.token,
         )
         self._current_step = 0  # read by the phase hooks
         self._nonfinite_microbatch: int | None = None  # this step's first microbatch whose loss was NaN or inf here
@@ -79,12 +82,13 @@ class RecoverTrainer:
         )
         STARTUP.mark("data")
         self.metrics = MetricsLogger(self.run_dir, enabled=self.dp.is_logging_rank(),
-                                     wandb_config=_wandb_config(config))
+                                     wandb_config=_wandb_config(config), launch=self.launch.token)
         self.metrics.slow_io = lambda: self.dp.slow_io(Phase.METRICS_IO)  # a new logging rank starts wandb mid-step
         if self.metrics.enabled:
             self.metrics.start_wandb()  # during setup, not as a gap between the first steps
         STARTUP.mark("metrics")
-        self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout())
+        self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout(),
+                                             launch_token=self.launch.token)
         self.step = 0
         self.services = StepServices(
             compute=self.compute, fault_point=self._fault_point, metrics=self.metrics,

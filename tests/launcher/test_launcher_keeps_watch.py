@@ -194,3 +194,18 @@ def test_a_crash_that_comes_back_at_the_same_step_is_a_persons_turn(tmp_path):
     assert "step 6 failed on 3 launches in a row; its microbatches [2, 3] were being computed" in output, \
         output[-3000:]
     assert len(read_launches(run_dir)) == 3 and last_logged_step(run_dir) == 5, output[-3000:]
+
+
+def test_a_standby_whose_logging_rank_runs_wandbs_service_is_not_taken_for_broken(tmp_path, monkeypatch):
+    """wandb offline (the users' default): the standby's rank 0 starts wandb's service while it waits, a child
+    process with the rank's environment. The launcher's watch over the standby's ranks must not take that child for
+    the rank (seen: every standby called broken, every relaunch cold): the relaunch after the job is lost is warm."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with launched(tmp_path, config(tmp_path, 3000), restarts=1) as (proc, run_dir, log):
+        wait_for_ready_standby(proc, ranks=2)
+        time.sleep(3.0)  # several looks at the standby's ranks
+        took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
+    output = log.read_text()
+    assert "died while it waited" not in output, output[-3000:]
+    assert proc.returncode == 0 and read_launches(run_dir)[1]["warm"] is True, output[-3000:]
+    print(f"\nwandb offline: the job lost, the next launch {took:.1f} s later, warm")

@@ -1,22 +1,25 @@
-"""The launcher's in-place relaunch, from a warm standby when one is ready.
+"""The launcher's in-place relaunch, from a warm standby when one is ready, and its watch over each launch.
 
 A job that ends with the restart outcome (too few replicas, a lost node or ``mpirun``, a start-up fault) is
 launched again by the launcher itself, up to ``--max-restarts`` times (each launch recorded in the run folder);
-only then, or when a stop signal asked the job to end (the scheduler wants the nodes), does the launcher exit 3
-for the scheduler's requeue. While a job trains, the next one waits beside it as a warm standby
-(:mod:`nanotron_recover.process.standby_rank`): released when the job ends, it skips the launcher's and the
-ranks' start-up (mpirun, interpreters, imports); a standby that is not ready or has died gives way to a cold
+only then, or when a stop signal asked the job to end (the scheduler wants the nodes: it reached the launcher, or
+only the ranks, whose ``stop_signal`` event says so), does the launcher exit 3 for the scheduler's requeue. A stop
+signal between two launches starts no launch. While a job trains, the next one waits beside it as a warm standby
+(:mod:`nanotron_recover.launcher.standby`): released when the job ends, it skips the launcher's and the ranks'
+start-up (mpirun, interpreters, imports); a standby that is not ready, has died or lost a rank gives way to a cold
 launch, said so. ``fault_tolerance.standby: auto`` starts one where memory allows
-(:func:`~nanotron_recover.launcher.standby.standby_fits`);
-``after_loss`` starts it only once the job logs a step with fewer replicas than it was launched with, then tells
-the job when it is ready (a file in the run folder, :mod:`nanotron_recover.run.in_place`), which a regrow waits
-for. A job that ends while its standby is still importing waits for it (bounded): it has a head start on a cold
-launch.
+(:func:`~nanotron_recover.launcher.standby.standby_fits`); ``after_loss`` starts it only once the job logs a step
+with fewer replicas than it was launched with. A job that ends while its standby is still importing waits for it
+(bounded): it has a head start on a cold launch.
+
+The launcher decides the job's width: it reads the step records the job logs, and when coming back to full width
+through a relaunch pays (:mod:`nanotron_recover.launcher.regrow`), it asks the job to stop at a step boundary
+through the graceful stop (SIGUSR1 to ``mpirun``) and relaunches it in place at full width.
 
 In a Slurm allocation of several nodes, each relaunch first asks the nodes whether they answer
 (:mod:`nanotron_recover.launcher.node_fit`): a relaunch after a node was lost runs on the others at the width
 that fits, and comes back to full width once the node answers again (a standby at full width is started, then the
-job regrows at a step boundary).
+regrow).
 """
 
 from __future__ import annotations

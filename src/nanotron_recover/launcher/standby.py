@@ -23,7 +23,7 @@ from nanotron_recover.launcher.mpirun import with_env
 from nanotron_recover.launcher.mpirun_job import MpirunJob
 from nanotron_recover.process.standby_rank import CANCEL, RELEASE, ready_file
 from nanotron_recover.run.launch_contract import LAUNCHER_PID_ENV, STANDBY_ENV
-from nanotron_recover.run.procfs import process_is_gone
+from nanotron_recover.run.procfs import proc_stat, process_is_gone
 from nanotron_recover.run.run_folder import token_in
 
 LOOK_EVERY_S = 0.5  # how often the launcher looks for a standby's dead ranks (a /proc scan)
@@ -41,20 +41,32 @@ def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool
 
 
 def standby_rank_pids(folder: Path) -> dict[int, int]:
-    """``{world rank: pid}`` of the live ranks on this node of the standby waiting in ``folder`` (its ``mpirun``
-    names the folder too, but has no rank)."""
+    """``{world rank: pid}`` of the live ranks on this node of the standby waiting in ``folder``: the processes of
+    ``nanotron_recover.train`` that name the folder, less those started by another of them (a rank's own children
+    inherit its environment: wandb's service, which the logging rank of a standby starts while it waits; its
+    ``mpirun`` names the folder too, but runs no rank)."""
     from nanotron_recover.launcher.runs import environ_of  # reads /proc; light
 
     mine = f"{STANDBY_ENV}={folder}".encode()
-    out: dict[int, int] = {}
+    found: dict[int, tuple[int, int]] = {}  # pid -> (world rank, parent pid)
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        environ = environ_of(int(entry))
-        if environ is None or mine not in environ or process_is_gone(int(entry)):
+        pid = int(entry)
+        environ = environ_of(pid)
+        stat = proc_stat(pid)
+        if environ is None or mine not in environ or stat is None or stat[2] in ("Z", "X") \
+                or not _runs_a_rank(pid):
             continue
         rank = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
         if rank is not None and rank.isdigit():
-            out[int(rank)] = int(entry)
-    return out
+            found[pid] = (int(rank), stat[0])
+    return {rank: pid for pid, (rank, parent) in found.items() if parent not in found}
+
+
+def _runs_a_rank(pid: int) -> bool:
+    try:
+        return b"nanotron_recover.train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 class Standby:

@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         per_run[name].append({"median_step_s": median(times), "mean_step_s": sum(times) / len(times),
                               "n_steps": len(times), "load_avg_1min": a.load_avg_1min,
                               "wall_s": a.end_t - a.launch_t, "step_times": [s["step_time_s"] for s in a.steps],
+                              # the launcher's warm standby (at the defaults), ready after this long (None: never)
+                              "standby_ready_after_s": next((e["time"] - a.launch_t for e in a.events
+                                                             if e.get("event") == "standby_ready"), None),
                               **usage})
         print(f"[overhead] run {k + 1}/{len(order)} {name}: median step {median(times) * 1000:.2f} ms "
               f"(load {a.load_avg_1min:.1f})", flush=True)
@@ -131,6 +134,9 @@ def figures(data: dict) -> dict[str, float | None]:
         if switches:
             out[f"{key}_involuntary_switches"] = median(switches)
     out.update({SHARE_KEYS[name]: share for name, share in shares(med).items()})
+    ready = [r["standby_ready_after_s"] for r in data["runs"].get("recover", []) if r.get("standby_ready_after_s")]
+    out["recover_runs_with_a_ready_standby"] = len(ready)  # a relaunch from these would have been warm
+    out["recover_standby_ready_after_s"] = median(ready) if ready else None
     return out
 
 

@@ -105,6 +105,9 @@ class Sink:
     def set_logging(self, enabled: bool) -> None:
         self.enabled = enabled
 
+    def start_wandb(self, background: bool = False) -> bool:
+        return False
+
     def log_step(self, record: dict) -> None:
         pass
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -246,3 +248,37 @@ def test_a_new_logging_rank_starts_wandb_inside_its_slow_io_guard(tmp_path: Path
     heir.log_step({"step": 3, "loss": 0.25})
     heir.close()
     assert seen == ["enter", "exit active=True"]  # once: around the start only
+
+
+def test_wandb_started_in_the_background_gets_every_row_the_steps_logged_meanwhile(tmp_path: Path) -> None:
+    """A relaunch's logging rank starts wandb in a thread (its start is off the path to the first step). Steps
+    logged while it starts are in the JSONL only; the first record after it started replays them, in order."""
+    started = threading.Event()
+
+    class SlowWandb(_FakeWandb):
+        def init(self, **kwargs: Any) -> _FakeRun:
+            started.wait(10)  # wandb's start takes its time
+            return super().init(**kwargs)
+
+    wandb = SlowWandb()
+    log = wandb.logger(tmp_path)
+    t0 = time.monotonic()
+    assert log.start_wandb(background=True)
+    log.log_step({"step": 1, "loss": 3.0})
+    log.log_step({"step": 2, "loss": 2.0})
+    assert time.monotonic() - t0 < 1.0 and wandb.runs == []  # nothing waited for wandb
+    started.set()
+    log._starting.join(10)
+    log.log_step({"step": 3, "loss": 1.0})
+    log.close()
+    assert [(step, row["loss"]) for step, row in wandb.runs[0].rows] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert read_logged_step(tmp_path) == 3
+
+
+def test_wandb_started_in_the_background_and_closed_before_any_later_record_replays_on_close(tmp_path: Path) -> None:
+    wandb = _FakeWandb()
+    log = wandb.logger(tmp_path)
+    log.start_wandb(background=True)
+    log.log_step({"step": 1, "loss": 3.0})  # perhaps before wandb started
+    log.close()
+    assert [step for step, _ in wandb.runs[0].rows] == [1] and wandb.runs[0].finished

@@ -36,6 +36,7 @@ from typing import Callable
 from nanotron_recover.launcher.node_fit import NodeFit
 from nanotron_recover.launcher.regrow import Regrow
 from nanotron_recover.launcher.standby import Standby
+from nanotron_recover.process.priority import can_idle
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.launch_contract import TOKEN_ENV
@@ -120,6 +121,7 @@ class Relauncher:
         self._back_heard: float | None = None  # when this launch heard that a node it left out answers again
         self._token: str | None = None  # the running launch's
         self._regrow: dict | None = None  # the regrow this launch was stopped for: its decision
+        self._said_priority = False  # the standby's priority is said once
         self.restarts = 0
         self.cmd, self.replicas = spec.cmd, spec.replicas  # this launch's line and width (narrower: a node out)
 
@@ -224,6 +226,11 @@ class Relauncher:
         if back is None:
             self._keep_standby()
         standby_ready = self._standby_fits() and self.standby.ready()
+        if standby_ready and not self.standby.announced:  # when a standby got ready: a run's record says it
+            self.standby.announced = True
+            append_metrics_record(self.spec.run_dir, {"event": "standby_ready", "time": time.time(),
+                                                      "import_s": round(time.time() - self.standby.started, 3)},
+                                  launch=self._token)
         records, self._metrics_offset = read_records_after(metrics_path(self.spec.run_dir), self._metrics_offset,
                                                            READ_BYTES)
         for record in records:
@@ -302,6 +309,11 @@ class Relauncher:
         return True
 
     def _new_standby(self, cmd: list[str], nodes_out: tuple[str, ...]) -> Standby:
+        if not self._said_priority:
+            self._said_priority = True
+            say("the warm standby imports at idle CPU and I/O priority (it runs on what the training leaves idle)"
+                if can_idle() else "the warm standby imports at normal priority, beside the training: this user "
+                "may not leave the idle class again (root, CAP_SYS_NICE or RLIMIT_NICE >= 20 would allow it)")
         return Standby(cmd, self.spec.world_size, root=standby_root(self.spec.run_dir),
                        graceful=self.spec.stop_grace_s is not None, pass_fds=self.spec.pass_fds, nodes_out=nodes_out)
 

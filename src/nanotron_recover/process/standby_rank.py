@@ -5,10 +5,11 @@ The launcher starts the next job beside the running one with the same launch lin
 torch, nanotron, mpi4py (with ``mpi4py.rc.initialize = False``: MPI is initialized only once released) and the
 training stack, says so with ``ready-<rank>`` in that folder, and waits. When the running job ends with the restart
 outcome, the launcher writes ``go``: the ranks initialize MPI and start as a cold launch would, from the start-up
-guard on, seconds sooner (the imports were ~2.2 s of a rank's start here). A standby never outlives its launcher:
-it exits as soon as the launcher is gone or writes ``cancel`` (and the launcher started its ``mpirun`` with a
-parent-death signal as well). A standby that a stop signal reached exits too: a launch started from it would stop
-after its first step (the launcher sees it gone and replaces it).
+guard on, seconds sooner (the imports were ~2.2 s of a rank's start here). It imports and waits at idle CPU and I/O
+priority (:mod:`nanotron_recover.process.priority`): it costs the training ranks nothing. A standby never outlives
+its launcher: it exits as soon as the launcher is gone or writes ``cancel`` (and the launcher started its
+``mpirun`` with a parent-death signal as well). A standby that a stop signal reached exits too: a launch started
+from it would stop after its first step (the launcher sees it gone and replaces it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from nanotron_recover.process import priority
 from nanotron_recover.process.startup_clock import STARTUP
 from nanotron_recover.process.stop_request import STOP
 
@@ -31,8 +33,9 @@ def ready_file(folder: Path, rank: int) -> Path:
 
 
 def wait_until_released(folder: Path, launcher: int | None, prepare: Callable[[], None]) -> None:
-    """Do ``prepare`` (the imports), say ready, then return once released; exit at once when cancelled or when
-    the ``launcher`` (its pid) is gone."""
+    """Do ``prepare`` (the imports) at idle priority, say ready, then return once released, at normal priority;
+    exit at once when cancelled or when the ``launcher`` (its pid) is gone."""
+    idle = priority.to_idle()  # it runs on what the training leaves idle (process/priority.py)
     prepare()
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))  # Open MPI's: MPI is not initialized yet
     ready_file(folder, rank).write_text(f"{os.getpid()} {socket.gethostname()}")  # the launcher watches it by pid
@@ -47,6 +50,8 @@ def wait_until_released(folder: Path, launcher: int | None, prepare: Callable[[]
             if (launcher and not _alive(launcher)) or os.getppid() != parent:
                 os._exit(0)
         time.sleep(POLL_S)
+    if idle:
+        priority.to_normal()  # the job it becomes trains at full speed
     STARTUP.restart()  # its start-up, as a relaunch's cost, counts from here
 
 

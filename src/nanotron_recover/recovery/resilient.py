@@ -267,6 +267,7 @@ class ResilientDataParallel(DataParallelStrategy):
         logging = self.is_logging_rank()
         if logging and not metrics.enabled:
             metrics.set_logging(True)
+            metrics.start_wandb(background=True)  # its start (~1 s) would be the failure step's: in a thread
             last = services.last_record()
             if last is not None:
                 metrics.log_step(last)

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from nanotron_recover.report.kill_costs import KillCost, kill_cost_lines, kill_costs
 from nanotron_recover.report.timeline import Launch, RunTimeline, StepPoint, event_time
 
 LOST_DETECT_REPAIR = "detect + repair"
@@ -68,6 +69,7 @@ class Summary:
     compared_steps: int = 0
     problems: list[str] = field(default_factory=list)
     regrow_decisions: list[dict[str, Any]] = field(default_factory=list)  # the ``regrow`` events, "not yet" too
+    kill_costs: list[KillCost] = field(default_factory=list)  # what each kill cost, in parts
 
     @property
     def detect_repair_median_ms(self) -> float | None:
@@ -114,7 +116,7 @@ def summarize(tl: RunTimeline, compare: RunTimeline | None = None) -> Summary:
         train_steps=tl.size.train_steps, short_steps=short, missing_steps=missing,
         hang_stack_files=[p.name for p in tl.hang_stacks],
         exit_codes=dict(Counter(int(e.get("code", -1)) for e in tl.exits.values())), problems=list(tl.problems),
-        regrow_decisions=tl.events_of("regrow"))
+        regrow_decisions=tl.events_of("regrow"), kill_costs=kill_costs(tl))
     if compare is not None:
         deltas = loss_differences(tl.losses(), compare.losses())
         summary.max_abs_dloss = max(deltas.values()) if deltas else None
@@ -235,7 +237,8 @@ def format_summary(s: Summary) -> str:
     """The summary as the report prints it: one fact a line, the numbers first."""
     lines = [f"run {s.run_dir}: {len(s.launches)} launch(es), {s.step_records} step records, final trajectory "
              f"steps {_range(s.final_steps)}"]
-    lines += _fault_lines(s) + _repair_lines(s) + _relaunch_lines(s) + _time_lines(s) + _sample_lines(s)
+    lines += _fault_lines(s) + _repair_lines(s) + _relaunch_lines(s) + _time_lines(s) + kill_cost_lines(s.kill_costs)
+    lines += _sample_lines(s)
     if s.max_abs_dloss is not None:
         lines.append(f"max |dloss| vs --compare run: {s.max_abs_dloss:.3g} over {s.compared_steps} common steps")
     elif s.compared_steps == 0 and any(p.startswith("--compare") for p in s.problems):

@@ -15,7 +15,8 @@ there is no sidecar) and before the step it is about to log (:func:`wandb_replay
 that is nothing; after a SIGKILL it may re-send rows the dead process did persist (wandb ignores a row whose
 step is not above its run's current step when the halves are synced into one run; not checked against a
 server here, this machine is offline). A row is never missing. The replay stops before the first record the new
-process logs, also when wandb was started ahead of it (:meth:`MetricsLogger.start_wandb`, during set-up): a
+process logs, also when wandb was started ahead of it (:meth:`MetricsLogger.start_wandb`, during set-up, in a thread
+of its own: the rows logged while it starts are replayed like a dead logger's): a
 relaunch from a node-local snapshot computes again the steps after the snapshot, and those rows (the same numbers:
 the trajectory is kept) are logged as they come. A step below the last one this process handed to wandb is never
 sent (wandb's steps only increase: it would drop the row with a warning).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -43,6 +45,7 @@ __all__ = ["MetricsLogger", "wandb_replay", "find_wandb_run_files"]
 
 logger = logging.getLogger(__name__)
 
+BACKGROUND_START_WAIT_S = 60.0  # the most a closing logger waits for wandb started in the background
 _WANDB_INIT_KEYS = ("project", "entity", "name", "group", "job_type", "tags", "notes", "config", "id", "mode", "dir")
 
 
@@ -109,6 +112,8 @@ class MetricsLogger:
         self._wandb_failed = False
         self._wandb_last_step: int | None = None  # the last step this process handed to wandb.log
         self._replay_pending = False  # wandb was started ahead of the first record: replay at that record
+        self._starting: threading.Thread | None = None  # wandb being started in the background (start_wandb)
+        self._background = False  # wandb was started in the background: closing replays what it missed
         self.set_logging(enabled)
 
     # -- logging rank -------------------------------------------------------------------------------------------
@@ -127,12 +132,24 @@ class MetricsLogger:
     def wandb_active(self) -> bool:
         return self._wandb_run is not None
 
-    def start_wandb(self) -> bool:
-        """Start wandb now (otherwise it starts on the first record); True when a run is active. The replay of the
-        JSONL waits for the first record, whose step bounds it: a relaunch computes again the steps after its
-        snapshot, and those are then logged as they come, not replayed from the run before."""
-        if self.enabled:
-            self._ensure_wandb(replay=False)
+    def start_wandb(self, background: bool = False) -> bool:
+        """Start wandb now (otherwise it starts on the first record); True when a run is active (or, ``background``,
+        is being started). The replay of the JSONL waits for the first record, whose step bounds it: a relaunch
+        computes again the steps after its snapshot, and those are then logged as they come, not replayed from the
+        run before. ``background``: wandb starts in a thread of its own (its start, ~0.4-0.7 s, is then off the path
+        to the job's first step); the records logged meanwhile are in the JSONL, and the first record after it
+        started replays them, as a new logging rank does."""
+        if not self.enabled:
+            return False
+        if self._starting is not None:
+            return True
+        if background and self.wandb_config is not None and self._wandb_run is None and not self._wandb_failed:
+            self._starting = threading.Thread(target=self._start_wandb, args=(None, False), name="wandb-start",
+                                              daemon=True)
+            self._starting.start()  # no slow_io: the main thread goes on training, nothing waits for this one
+            self._background = True
+            return True
+        self._ensure_wandb(replay=False)
         return self._wandb_run is not None
 
     # -- records ----------------------------------------------------------------------------------------------
@@ -216,8 +233,8 @@ class MetricsLogger:
         return self._wandb_run
 
     def _to_wandb(self, record: Mapping[str, Any]) -> None:
-        if self.wandb_config is None or self._wandb_failed:
-            return
+        if self.wandb_config is None or self._wandb_failed or self._still_starting():
+            return  # still starting: the JSONL has the record, the first one after the start replays it
         data = _wandb_values(record)
         if not data:
             return
@@ -235,9 +252,25 @@ class MetricsLogger:
             self._wandb_failed = True
             logger.warning("metrics: wandb log failed (%s: %s); wandb disabled for this run", type(exc).__name__, exc)
 
+    def _still_starting(self, wait_s: float = 0.0) -> bool:
+        """A background start of wandb is still running (after ``wait_s`` for it)."""
+        if self._starting is None:
+            return False
+        self._starting.join(wait_s)
+        if self._starting.is_alive():
+            return True
+        self._starting = None  # started (or failed: said so): the next record replays what it missed
+        return False
+
     # -- shutdown ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Flush and close the JSONL and finish the wandb run (errors are logged, not raised)."""
+        if self._still_starting(wait_s=BACKGROUND_START_WAIT_S):
+            logger.warning("metrics: wandb did not start within %g s; its copy of this run may lack rows (the JSONL "
+                           "has them)", BACKGROUND_START_WAIT_S)
+        elif self._background and self._wandb_run is not None and self._replay_pending and self._file is not None:
+            self._file.flush()
+            self._ensure_wandb()  # started in the background and no record since: replay what it missed
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -85,7 +85,7 @@ class RecoverTrainer:
                                      wandb_config=_wandb_config(config), launch=self.launch.token)
         self.metrics.slow_io = lambda: self.dp.slow_io(Phase.METRICS_IO)  # a new logging rank starts wandb mid-step
         if self.metrics.enabled:
-            self.metrics.start_wandb()  # during setup, not as a gap between the first steps
+            self.metrics.start_wandb(background=True)  # beside the set-up and the first steps, not before them
         STARTUP.mark("metrics")
         self.checkpoints = CheckpointManager(config, self.run_dir, layout=self.dp.checkpoint_layout(),
                                              launch_token=self.launch.token)

@@ -119,7 +119,8 @@ def test_auto_starts_a_standby_only_where_memory_allows(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(tmp_path):
-    steps = 1500  # ~7 ms each: long enough for the standby to get ready, then a kill from outside
+    steps = 3000  # ~7 ms each: long enough for the standby to get ready (where no core is idle: ~5 s at idle
+    # priority, then its imports beside the training), then a kill from outside
     reference = run_training(config(tmp_path, steps), tmp_path / "reference", timeout_s=TIMEOUT_S,
                              extra_args=["--synthetic-data"])
     run_dir = tmp_path / "run"
@@ -148,7 +149,7 @@ def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(t
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_sigkilled_launcher_leaves_no_standby_behind(tmp_path):
     run_dir = tmp_path / "run"
-    config_path = write_config(config(tmp_path, 3000), run_dir / "config.yaml")
+    config_path = write_config(config(tmp_path, 6000), run_dir / "config.yaml")
     proc = launch(config_path, run_dir, tmp_path / "launcher.log", restarts=1)
     try:
         wait_for_ready_standby(proc, ranks=2)
@@ -167,7 +168,7 @@ def test_a_sigkilled_launcher_leaves_no_standby_behind(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_standby_that_died_while_waiting_is_replaced_and_the_relaunch_is_still_warm(tmp_path):
-    steps = 3000  # ~7 ms each: time for two standbys to get ready
+    steps = 6000  # ~7 ms each: time for two standbys to get ready (each up to ~5 s at idle priority, then imports)
     run_dir = tmp_path / "run"
     config_path = write_config(config(tmp_path, steps, min_replicas=2), run_dir / "config.yaml")
     with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=1) as proc:

@@ -158,7 +158,8 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
 @needs_slurm
 def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_standby(cluster: Cluster,
                                                                                      tmp_path: Path) -> None:
-    steps = 1500  # ~7 ms each: long enough for the standby to get ready, then a kill from outside
+    steps = 3000  # ~7 ms each: long enough for the standby to get ready (~5 s at idle priority where no core is
+    # idle, then its imports beside the training), then a kill from outside
     raw = make_tiny_config(dp=2, steps=steps, accumulation=2, layers=2,
                            fault_tolerance={"enabled": True, "min_replicas": 2, "local_snapshot_dir": str(tmp_path)})
     config = write_config(raw, tmp_path / "config.yaml")

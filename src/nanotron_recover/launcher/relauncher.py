@@ -37,6 +37,7 @@ from nanotron_recover.launcher.node_fit import NodeFit
 from nanotron_recover.launcher.regrow import Regrow
 from nanotron_recover.launcher.standby import Standby
 from nanotron_recover.process.priority import can_idle
+from nanotron_recover.process.standby_rank import IDLE_IMPORT_S
 from nanotron_recover.process.stop_request import LauncherStop
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.launch_contract import TOKEN_ENV
@@ -228,8 +229,11 @@ class Relauncher:
         standby_ready = self._standby_fits() and self.standby.ready()
         if standby_ready and not self.standby.announced:  # when a standby got ready: a run's record says it
             self.standby.announced = True
+            say(f"the warm standby is ready, {time.time() - self.standby.started:.1f} s after its start "
+                f"(at {self.standby.ready_at()} priority)")
             append_metrics_record(self.spec.run_dir, {"event": "standby_ready", "time": time.time(),
-                                                      "import_s": round(time.time() - self.standby.started, 3)},
+                                                      "import_s": round(time.time() - self.standby.started, 3),
+                                                      "priority": self.standby.ready_at()},
                                   launch=self._token)
         records, self._metrics_offset = read_records_after(metrics_path(self.spec.run_dir), self._metrics_offset,
                                                            READ_BYTES)
@@ -311,7 +315,8 @@ class Relauncher:
     def _new_standby(self, cmd: list[str], nodes_out: tuple[str, ...]) -> Standby:
         if not self._said_priority:
             self._said_priority = True
-            say("the warm standby imports at idle CPU and I/O priority (it runs on what the training leaves idle)"
+            say("the warm standby imports at idle CPU and I/O priority (it runs on what the training leaves idle; a "
+                f"rank not ready after {IDLE_IMPORT_S:g} s, where no core is idle, finishes at normal priority)"
                 if can_idle() else "the warm standby imports at normal priority, beside the training: this user "
                 "may not leave the idle class again (root, CAP_SYS_NICE or RLIMIT_NICE >= 20 would allow it)")
         return Standby(cmd, self.spec.world_size, root=standby_root(self.spec.run_dir),

@@ -3,11 +3,12 @@ initialized (its ranks: :mod:`nanotron_recover.process.standby_rank`), and the l
 is in the run folder (``.standby/``, on the cluster's shared file system): the standby's ranks on every node write
 their ready files there.
 
-A standby is ready when every rank has imported and said so (``ready-<rank>`` in its folder, holding the rank's pid
-and node). It can never become ready again once one of its ranks died while it waited: its ``mpirun`` runs under
-ULFM and lives on with the rest, so the launcher watches the ranks it can see (those on its own node, by pid) and
-calls such a standby *broken* at once; the relauncher then replaces it or launches cold, instead of waiting for it
-until a bound runs out (seen: 60 s, then a cold launch). Standard library only (the launcher stays light).
+A standby is ready when every rank has imported and said so (``ready-<rank>`` in its folder, holding the rank's pid,
+its node and the CPU class it got ready at). It can never become ready again once one of its ranks died while it
+waited: its ``mpirun`` runs under ULFM and lives on with the rest, so the launcher watches the ranks it can see
+(those on its own node, by pid) and calls such a standby *broken* at once; the relauncher then replaces it or
+launches cold, instead of waiting for it until a bound runs out (seen: 60 s, then a cold launch). Standard library
+only (the launcher stays light).
 """
 
 from __future__ import annotations
@@ -133,6 +134,18 @@ class Standby:
         missing = [r for r in range(self.world_size) if not ready_file(self.folder, r).exists()]
         return f"rank(s) {missing[:8]} still importing"
 
+    def ready_at(self) -> str:
+        """The CPU class its ranks got ready at (said in their ready files): ``idle`` (on what the training left
+        idle), ``normal`` (no core was idle beside the training, or this user may not use the idle class), or
+        ``idle and normal`` when its ranks differ."""
+        said = set()
+        for rank in range(self.world_size):
+            try:
+                said.update(ready_file(self.folder, rank).read_text().split()[2:3])
+            except OSError:
+                continue
+        return " and ".join(sorted(said)) or "unknown"
+
     def release(self) -> MpirunJob:
         (self.folder / RELEASE).touch()
         return self.job
@@ -149,7 +162,7 @@ class Standby:
 def _ready_pid_and_node(folder: Path, rank: int) -> tuple[int, str] | None:
     """(pid, node) that rank ``rank`` wrote into its ready file (None: not ready, or an unreadable file)."""
     try:
-        pid, node = ready_file(folder, rank).read_text().split()
+        pid, node, *_ = ready_file(folder, rank).read_text().split()
         return int(pid), node
     except (OSError, ValueError):
         return None

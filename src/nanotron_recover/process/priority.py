@@ -3,8 +3,9 @@
 A standby imports torch, nanotron and the training stack (seconds of CPU per rank) beside the job it stands by for.
 At normal priority those imports take the cores from the training ranks: on a machine where every core trains, the
 job's steps were ~1.75 times slower for as long as the standby imported. At Linux's idle class (``SCHED_IDLE``, and
-the idle I/O class) it runs only on what the training leaves idle, so it costs the job nothing; once a replica is
-lost, the cores that replica freed are idle, and the standby gets ready on them. Threads it creates inherit the
+the idle I/O class) it runs only on what the training leaves idle, so it costs the job nothing. Where no core is
+ever idle (as many ranks as cores, polling inside MPI) it would get no CPU at all: the standby's rank climbs back to
+normal priority after a bound (:mod:`nanotron_recover.process.standby_rank`). Threads it creates inherit the
 class; on release every thread of the process goes back to ``SCHED_OTHER`` and the default I/O class, so that the
 relaunched job trains at full speed.
 
@@ -34,8 +35,8 @@ def can_idle() -> bool:
 
 
 def to_idle() -> bool:
-    """This process (and the threads it creates from now on) at idle CPU and I/O priority; False when it may not
-    come back (then nothing changes)."""
+    """The calling thread (and the threads it creates from now on) at idle CPU and I/O priority; False when it may
+    not come back (then nothing changes)."""
     if not can_idle():
         return False
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

@@ -33,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     STOP.install()  # a stop signal from now on ends the job at a step boundary (stop_request.py)
     launch = LaunchContract.read(os.environ)  # what the launcher tells this rank, read here once, handed down
     if launch.standby_folder is not None:  # a warm standby: the imports now, MPI and the rest once released
-        wait_until_released(launch.standby_folder, launch.launcher_pid, prepare=lambda: _import_training_stack(args))
+        wait_until_released(launch.standby_folder, launch.launcher_pid, launch.launcher_node,
+                            prepare=lambda: _import_training_stack(args))
     guard = arm_startup_guard(args.config_file, args.run_dir, launch.token)
 
     from nanotron_recover.config import ConfigError

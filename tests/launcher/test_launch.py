@@ -107,3 +107,25 @@ def test_the_launcher_exit_code_follows_the_run_not_mpirun(tmp_path: Path) -> No
     assert _judged(tmp_path / "badinput", 2, []) == 2
     assert _judged(tmp_path / "done", 1, [0, 0], last_step=10, saved=10) == 0
     assert _judged(tmp_path / "final-save-lost", 1, [0, 0], last_step=10, saved=8) == 3
+
+
+def test_in_an_allocation_with_odd_slots_the_launch_names_whole_replica_slots(tmp_path: Path, monkeypatch) -> None:
+    """Slurm gave 3 and 5 slots; 3 replicas of 2 ranks: without ``--host``, ranks 0-2 would fill the first node and
+    replica 1 would span both. The launch line names 2 and 4 slots; no placement warning is left."""
+    from nanotron_recover.launcher import slurm_nodes
+    from nanotron_recover.launcher.launch import build_parser, placement_warnings, train_command
+    from nanotron_recover.launcher.runs import write_config
+    from tests.conftest import make_tiny_config
+
+    monkeypatch.setattr(slurm_nodes, "hostnames", lambda nodelist: ["n1", "n2"])  # scontrol's expansion, given
+    monkeypatch.delenv("NANOTRON_RECOVER_HOSTFILE", raising=False)
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "3,5"}.items():
+        monkeypatch.setenv(name, value)
+    path = write_config(make_tiny_config(dp=3, tp=2, accumulation=1), tmp_path / "config.yaml")
+    args = build_parser().parse_args(["train", "--config-file", str(path), "--run-dir", str(tmp_path / "run")])
+    cmd, config, _ = train_command(args)
+    assert cmd[1:3] == ["--host", "n1:2,n2:4"], cmd
+    assert placement_warnings(config, cmd) == []
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4,4")  # whole replicas already: Slurm's placement stands
+    cmd, config, _ = train_command(args)
+    assert "--host" not in cmd

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nanotron_recover.launcher.node_fit import NodeFit
-from nanotron_recover.launcher.slurm_nodes import Allocation, Node, fitting_replicas, host_option
+from nanotron_recover.launcher.slurm_nodes import Allocation, Node, fitting_replicas, host_option, whole_replica_hosts
 
 
 @pytest.mark.parametrize(("slots", "rpr", "replicas", "spares", "m", "want"), [
@@ -24,6 +24,21 @@ def test_fitting_replicas(slots, rpr, replicas, spares, m, want):
 
 def test_host_option_names_each_node_with_its_slots():
     assert host_option([Node("n1", 2), Node("n3", 4)]) == "n1:2,n3:4"
+
+
+def test_host_option_gives_each_node_whole_replicas_only():
+    """Ranks fill slots in rank order: 3 slots with 2 ranks a replica would put half of replica 1 on the next node."""
+    assert host_option([Node("n1", 3), Node("n2", 4), Node("n3", 1)], ranks_per_replica=2) == "n1:2,n2:4"
+
+
+@pytest.mark.parametrize(("slots", "world", "want"), [
+    ([4, 4], 8, None),  # whole replicas already: the allocation's own placement
+    ([3, 5], 6, "n1:2,n2:4"),  # 3 + 5 slots, 6 ranks of replicas of 2: rounded down, still holding the job
+    ([3, 5], 8, None),  # rounded down they hold 6 of 8: Open MPI places it (and the launcher warns)
+])
+def test_a_first_launch_names_whole_replica_slots_where_the_allocation_has_odd_ones(slots, world, want):
+    nodes = [Node(f"n{i + 1}", n) for i, n in enumerate(slots)]
+    assert whole_replica_hosts(nodes, 2, world) == want
 
 
 class GivenAnswers(Allocation):

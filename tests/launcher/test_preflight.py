@@ -71,3 +71,27 @@ def test_a_source_of_another_global_batch_is_still_refused_before_launch(tiny_co
     raw["checkpoints"]["resume_checkpoint_path"] = str(source)
     with pytest.raises(ConfigError, match="microbatches per step"):
         check_runtime_inputs(config_from_dict(raw), tmp_path / "run")
+
+
+def test_the_snapshot_budget_is_checked_for_one_nodes_ranks_not_the_whole_job(tmp_path, monkeypatch):
+    """8 ranks on 2 nodes of 4 slots (a Slurm allocation): each node holds the snapshots of its 4 ranks. A budget
+    that fits 4 ranks' and not 8's is accepted there, and refused where the job runs on one node."""
+    from nanotron_recover.launcher.launch import build_parser, train_command
+    from nanotron_recover.launcher.runs import write_config
+    from nanotron_recover.training.memory import snapshot_bytes_per_rank
+    from tests.conftest import make_tiny_config
+
+    raw = make_tiny_config(dp=8, accumulation=1, fault_tolerance={"enabled": True,
+                                                                  "local_snapshot_dir": str(tmp_path / "shm")})
+    per_rank = snapshot_bytes_per_rank(config_from_dict(raw))
+    raw["fault_tolerance"]["local_snapshot_max_gb"] = 3 * 6 * per_rank / 2**30  # 3 snapshots of 6 ranks
+    path = write_config(raw, tmp_path / "config.yaml")
+    args = build_parser().parse_args(["train", "--config-file", str(path), "--run-dir", str(tmp_path / "run")])
+    for variable in ("SLURM_JOB_ID", "SLURM_TASKS_PER_NODE", "NANOTRON_RECOVER_HOSTFILE"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(ConfigError, match="each of 8 rank"):
+        train_command(args)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
+    cmd, config, _ = train_command(args)
+    assert config.world_size == 8

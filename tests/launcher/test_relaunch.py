@@ -257,3 +257,26 @@ def test_the_launchers_metrics_reader_passes_a_line_longer_than_its_read_size(tm
     for _ in range(4):  # a few ticks
         relauncher._tick()
     assert relauncher._job_degraded
+
+
+def test_a_narrower_launchs_standby_waits_for_the_narrower_launchs_ranks(tmp_path, monkeypatch):
+    """A launch run on fewer nodes (one replica of two out, 2 ranks a replica): its standby, started from the
+    narrower launch line, has 2 ranks, and must be ready when those 2 are (not the full job's 4: seen, 60 s of waiting,
+    then a cold launch). A standby for the regrow, at full width, waits for all 4."""
+    from nanotron_recover.launcher import relauncher as module
+    from nanotron_recover.launcher.relauncher import JobSpec, Relauncher
+
+    started: list[int] = []
+
+    class RecordedStandby:  # the launcher's own part, recorded: what it would start
+        def __init__(self, cmd, world_size, **kwargs):
+            started.append(world_size)
+
+    monkeypatch.setattr(module, "Standby", RecordedStandby)
+    spec = JobSpec(["mpirun"], tmp_path, 4, (), 10.0, 25.0, 1, True, replicas=2, ranks_per_replica=2)
+    relauncher = Relauncher(spec, judge=lambda rc: rc, begin=lambda record: None, launch_cold=lambda *a: 0)
+    relauncher.replicas = 1  # the node fit relaunched it narrower
+    relauncher._job_trained = True
+    relauncher._keep_standby()
+    assert started == [2]
+    assert relauncher._new_standby(["mpirun"], (), spec.world_size) and started == [2, 4]

@@ -5,6 +5,7 @@ normal class after its bound and gets ready all the same. Its ready file says th
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,8 @@ def prepare():  # the imports: CPU work
     while time.process_time() - start < cpu_s:
         pass
 
-standby_rank.wait_until_released(Path(sys.argv[1]), None, prepare)
+launcher = int(sys.argv[4]) if len(sys.argv) > 4 else None
+standby_rank.wait_until_released(Path(sys.argv[1]), launcher, sys.argv[5] if len(sys.argv) > 5 else None, prepare)
 print("released", os.sched_getscheduler(0), flush=True)
 """
 
@@ -35,8 +37,11 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not can_idle(), reason="this user may not leave the idle class again")]
 
 
-def start_rank(folder: Path, idle_bound_s: float, cpu_s: float, cpu: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", RANK, str(folder), str(idle_bound_s), str(cpu_s)],
+def start_rank(folder: Path, idle_bound_s: float, cpu_s: float, cpu: int,
+               launcher: tuple[int, str] | None = None) -> subprocess.Popen:
+    """A standby rank waiting in ``folder``; ``launcher``: (pid, node) of the launcher it must not outlive."""
+    said = [str(launcher[0]), launcher[1]] if launcher else []
+    return subprocess.Popen([sys.executable, "-c", RANK, str(folder), str(idle_bound_s), str(cpu_s), *said],
                             stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMPI_COMM_WORLD_RANK": "0"},
                             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
@@ -93,3 +98,31 @@ def test_with_no_core_idle_the_rank_climbs_to_normal_priority_and_gets_ready(tmp
         busy.kill()
         for rank in ranks:
             rank.kill()
+
+
+def a_gone_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def test_a_rank_on_the_launchers_node_leaves_once_the_launcher_is_gone(tmp_path):
+    rank = start_rank(tmp_path, idle_bound_s=30, cpu_s=0.0, cpu=0, launcher=(a_gone_pid(), socket.gethostname()))
+    try:
+        assert rank.wait(timeout=20) == 0
+        assert rank.stdout.read() == ""  # it left without starting the job
+    finally:
+        rank.kill()
+
+
+def test_a_rank_on_another_node_does_not_look_up_the_launchers_pid_in_its_own_pid_space(tmp_path):
+    """On a real node the launcher's pid names nothing (or another process): the rank must keep waiting, and
+    starts the job once released."""
+    rank = start_rank(tmp_path, idle_bound_s=30, cpu_s=0.0, cpu=0, launcher=(a_gone_pid(), "another-node"))
+    try:
+        assert ready_within(tmp_path, 20) is not None
+        time.sleep(0.5)  # it looks for its launcher every 0.1 s
+        assert rank.poll() is None, "the rank left: it took a pid of another node for its launcher's"
+        assert release(rank, tmp_path).startswith("released")
+    finally:
+        rank.kill()

@@ -169,3 +169,28 @@ def test_two_replicas_broken_in_one_step_form_a_replica_without_a_false_hang_kil
     assert [s["step"] for s in result.steps] == list(range(1, 9)) and all(s["microbatches"] == 6 for s in result.steps)
     assert result.steps[-1]["live_replicas"] == 2, result.steps[-1]  # replica 2 and the one formed from the pool
     assert result.events_of("hang_detected") == [], result.events_of("hang_detected")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_pooled_rank_removes_its_broken_replicas_snapshot_files(tiny_config, tmp_path):
+    """3 replicas x TP2, node-local snapshots every step. Replica 1 loses a rank at step 3: its mate is pooled and
+    removes replica 1's files on its node (its own and the dead mate's: no live replica needs them). Replica 2
+    breaks at step 5 too, below ``min_replicas`` 2: the job ends with the restart outcome, its snapshots kept for
+    the relaunch; replica 1's are not among them (kept, they held the node's memory for nothing, and for ever on a
+    node where no rank of the run is left to remove its folder)."""
+    from nanotron_recover.run.exit_codes import EXIT_RESTART
+
+    store = tmp_path / "shm"
+    inject = [{"step": 3, "replica": 1, "rank": 1, "phase": "backward"},
+              {"step": 5, "replica": 2, "rank": 1, "phase": "backward"}]
+    config = tiny_config(dp=3, tp=2, accumulation=2, steps=STEPS, checkpoint_interval=STEPS,
+                         fault_tolerance={"enabled": True, "recycle": True, "min_replicas": 2,
+                                          "local_snapshot_dir": str(store), "local_snapshot_interval": 1,
+                                          "inject": inject})
+    result = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S,
+                          extra_args=["--synthetic-data", "--max-restarts", "0"], check=False)
+    assert result.returncode == EXIT_RESTART, result.output[-4000:]
+    assert [e["joined"] for e in result.events_of("pool_changed")][:1] == [[2]], result.output[-4000:]
+    files = sorted(p.name for p in store.rglob("*.snap"))
+    assert any(name.startswith("r0-") for name in files), files  # the relaunch's
+    assert not [name for name in files if name.startswith("r1-")], files

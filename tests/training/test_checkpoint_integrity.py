@@ -177,3 +177,32 @@ def test_an_older_checkpoint_without_checksums_is_chosen_unverified(tmp_path: Pa
 def test_no_checkpoint_at_all_is_a_fresh_start(tmp_path: Path) -> None:
     choice = choose_intact(tmp_path / "checkpoints", None, OneRank())
     assert choice.path is None and choice.damaged == []
+
+
+class RankBesideAnother:
+    """Rank 0 of two; the other rank's listing (its first gather) is given: what it saw under its checkpoints_path."""
+
+    def __init__(self, others_listing: tuple) -> None:
+        self.others_listing, self.gathers = others_listing, 0
+
+    def startup_share(self) -> tuple[int, int]:
+        return 0, 2
+
+    def gather_at_startup(self, obj):
+        self.gathers += 1
+        return [obj, self.others_listing if self.gathers == 1 else obj]
+
+
+def test_ranks_that_list_different_checkpoints_end_the_run_for_a_person_naming_the_difference(tmp_path: Path) -> None:
+    """A node-local checkpoints_path: rank 0's node holds 2/ and 4/, the other rank's only 2/. Neither may guess
+    (rank 1 cannot read 4/; starting from 2 would drop work silently): exit 2, the difference named."""
+    from nanotron_recover.run.exit_codes import EXIT_NEEDS_PERSON, NeedsPerson
+
+    for step in (2, 4):
+        _checkpoint(tmp_path, step)
+    (tmp_path / LATEST).write_text("4\n")
+    with pytest.raises(NeedsPerson, match="rank 1 does not see 4") as raised:
+        choose_intact(tmp_path, None, RankBesideAnother(([str(tmp_path / "2")], [], [])))
+    assert raised.value.what == "checkpoint listings differ" and EXIT_NEEDS_PERSON == 2
+    same = choose_intact(tmp_path, None, RankBesideAnother(([str(tmp_path / "4"), str(tmp_path / "2")], [], [])))
+    assert same.step == 4

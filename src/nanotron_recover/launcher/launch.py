@@ -15,9 +15,15 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from nanotron_recover.launcher.mpirun import hostfile_slots, mpirun_command, python_module_command, replica_placement
+from nanotron_recover.launcher.mpirun import (
+    hostfile_slots,
+    mpirun_command,
+    python_module_command,
+    replica_placement,
+    slurm_tasks_per_node,
+)
 from nanotron_recover.launcher.overrides import add_override_args, forwarded_args, load_effective_config
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
 from nanotron_recover.run.launch_contract import LaunchContract
@@ -78,20 +84,54 @@ def train_command(args: argparse.Namespace) -> tuple[list[str], "RecoverConfig",
         # stock layout: one torch world, rendezvous as torchrun would do it
         env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(_free_port()))
     hostfile = os.environ.get(HOSTFILE_ENV)
-    slots = hostfile_slots(hostfile) if hostfile and Path(hostfile).is_file() else None
     from nanotron_recover.launcher.preflight import check_local_snapshot_budget
 
-    check_local_snapshot_budget(config, min(config.world_size, max(slots[1])) if slots else config.world_size, run_dir)
+    check_local_snapshot_budget(config, ranks_per_node(config.world_size), run_dir)
     extra = shlex.split(os.environ.get(MPIRUN_ARGS_ENV, ""))
     cmd = mpirun_command(config.world_size, program, ulfm=config.ft_enabled, env=env, hostfile=hostfile,
                          extra_args=extra)
-    return cmd, config, run_dir
+    hosts = None if hostfile else _whole_replica_hosts(config)
+    return ([cmd[0], "--host", hosts, *cmd[1:]] if hosts else cmd), config, run_dir
 
 
-def placement_warnings(config: "RecoverConfig") -> list[str]:
-    """Where replicas land on the nodes of ``NANOTRON_RECOVER_HOSTFILE`` (empty: one node each, or no hostfile)."""
+def _whole_replica_hosts(config: "RecoverConfig") -> str | None:
+    """In a Slurm allocation of several nodes whose slots are not whole replicas: ``--host`` with each node's slots
+    rounded down to whole replicas, where those still hold the job (a replica never spans two nodes)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    from nanotron_recover.launcher.slurm_nodes import Allocation, whole_replica_hosts
+
+    allocation = Allocation.from_environment()
+    return None if allocation is None else whole_replica_hosts(allocation.nodes, config.ranks_per_replica,
+                                                               config.world_size)
+
+
+def ranks_per_node(world_size: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The most ranks of a ``world_size`` job that one node holds: by the slots of ``NANOTRON_RECOVER_HOSTFILE``, or
+    of the Slurm allocation (``SLURM_TASKS_PER_NODE``), else all of them (one node). What a node must hold (its
+    snapshots, a standby beside the job) is checked for these, not for the whole job."""
+    hostfile = environ.get(HOSTFILE_ENV)
+    if hostfile and Path(hostfile).is_file():
+        found = hostfile_slots(hostfile)
+        slots = found[1] if found else []
+    elif environ.get("SLURM_JOB_ID") and environ.get("SLURM_TASKS_PER_NODE"):
+        slots = slurm_tasks_per_node(environ["SLURM_TASKS_PER_NODE"])
+    else:
+        slots = []
+    return min(world_size, max(slots)) if slots else world_size
+
+
+def placement_warnings(config: "RecoverConfig", cmd: Sequence[str] = ()) -> list[str]:
+    """Where replicas land on the nodes of ``NANOTRON_RECOVER_HOSTFILE`` or of the Slurm allocation (empty: one
+    node each, no hostfile, or the launch line names whole-replica slots with ``--host``)."""
     hostfile = os.environ.get(HOSTFILE_ENV)
     found = hostfile_slots(hostfile) if hostfile and Path(hostfile).is_file() else None
+    if found is None and "--host" not in cmd and os.environ.get("SLURM_JOB_ID"):
+        from nanotron_recover.launcher.slurm_nodes import Allocation
+
+        allocation = Allocation.from_environment()
+        if allocation is not None:
+            found = [n.name for n in allocation.nodes], [n.slots for n in allocation.nodes]
     if found is None:
         return []
     names, slots = found
@@ -100,7 +140,7 @@ def placement_warnings(config: "RecoverConfig") -> list[str]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cmd, config, run_dir = train_command(args)
-    for warning in placement_warnings(config):
+    for warning in placement_warnings(config, cmd):
         print(f"[nanotron-recover] warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(shlex.join(cmd))
@@ -127,9 +167,12 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
     ft = config.fault_tolerance or FaultToleranceArgs()
     grace = ft.stop_grace_s if config.ft_enabled else None
     restarts = args.max_restarts if args.max_restarts is not None else max_restarts_setting()
-    standby = config.ft_enabled and restarts > 0 and ft.standby != "off" and standby_fits(config.world_size)
+    # the standby's ranks on this node beside the job's: the node's share of it, not the whole job
+    standby = config.ft_enabled and restarts > 0 and ft.standby != "off" \
+        and standby_fits(ranks_per_node(config.world_size))
     spec = JobSpec(cmd, run_dir, config.world_size, (lock,), ft.finalize_timeout_s, grace, restarts, standby,
                    standby_after_loss=ft.standby == "after_loss", replicas=config.parallelism.dp,
+                   ranks_per_replica=config.ranks_per_replica,
                    regrow=ft.regrow if config.ft_enabled else "off", relaunch_mtbf_h=ft.relaunch_mtbf_h,
                    nodes=_node_fit(args, cmd, config, run_dir) if restarts > 0 else None)
 
@@ -161,6 +204,8 @@ def _node_fit(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig",
     def reshape(replicas: int, hosts: str) -> list[str]:
         narrow = argparse.Namespace(**{**vars(args), "replicas": replicas, "run_dir": str(run_dir)})
         line = train_command(narrow)[0]
+        if line[1:2] == ["--host"]:  # the allocation's whole-replica slots: replaced by the nodes that answer
+            line = [line[0], *line[3:]]
         return [line[0], "--host", hosts, *line[1:]]
 
     return NodeFit(allocation, config.ranks_per_replica, config.parallelism.dp, config.spare_replicas,

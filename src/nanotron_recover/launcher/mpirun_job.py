@@ -27,7 +27,10 @@ WATCH_EVERY_S = 0.1  # how often the launcher looks at a running mpirun (its reg
 OUTPUT_TAIL_BYTES = 16384
 PR_SET_PDEATHSIG = 1
 OUTLIVING_BOUND_S = 5.0  # ranks left by mpirun on the stock path (no graceful stop) are ended after this
-LOST_DAEMON = "PRTE has lost communication with a remote daemon"  # the runtime tearing the job down (a lost node)
+# the runtime tearing the job down after a node's daemon was lost: which line it prints depends on which it notices
+# first, the daemon's silence or the end of the process that started it (ssh exits 255 once its node is gone; seen
+# on the isolated-node bed: "failed to report back" alone, and the job taken for stopped by the scheduler)
+LOST_DAEMON = ("PRTE has lost communication with a remote daemon", "A daemon failed to report back")
 
 
 def _die_with_launcher() -> None:
@@ -87,7 +90,8 @@ class MpirunJob:
     def lost_a_daemon(self) -> bool:
         """Its runtime said it lost a node's daemon and tore the job down: the stop signal its ranks then got
         (their daemons SIGTERM them) came from the teardown, not from a scheduler."""
-        return LOST_DAEMON.encode() in self.tail()
+        tail = self.tail()
+        return any(line.encode() in tail for line in LOST_DAEMON)
 
     def tail(self) -> bytes:
         with self._lock:

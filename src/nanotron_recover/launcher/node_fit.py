@@ -61,7 +61,7 @@ class NodeFit:
             say(f"{why}: relaunching on {', '.join(n.name for n in healthy)} with {fits} of {self.replicas} "
                 "replicas (the same global batch)")
         self.out = out
-        return self.reshape(fits, host_option(healthy)), fits
+        return self.reshape(fits, host_option(healthy, self.ranks_per_replica)), fits
 
     def back_now(self, say: Say) -> bool:
         """While the job runs narrower: True once a missing node answers again and the job would be wider with it.

@@ -72,6 +72,7 @@ class JobSpec:
     standby: bool
     standby_after_loss: bool = False  # start the standby once a replica is lost, not as soon as the job trains
     replicas: int = 0  # the job's data-parallel replicas (a step with fewer ran degraded)
+    ranks_per_replica: int = 1  # tp x pp (HSDP: the shards): a narrower launch has that many fewer ranks a replica
     nodes: NodeFit | None = None  # in a Slurm allocation of several nodes: relaunches fit the nodes that answer
     regrow: str = "off"  # fault_tolerance.regrow: back to full width through a relaunch in place, when it pays
     relaunch_mtbf_h: float = 2.0  # the expected time to the next failure that a regrow weighs
@@ -257,7 +258,7 @@ class Relauncher:
         wanted = self._job_degraded if self.spec.standby_after_loss else self._job_trained
         if self._standby_starts < STANDBY_STARTS and wanted:
             self._standby_starts += 1
-            self.standby = self._new_standby(self._command(), self._nodes_out())
+            self.standby = self._new_standby(self._command(), self._nodes_out(), self._world_size())
 
     def _hear_nodes_back(self) -> bool | None:
         """A job run narrower: once a node it left out answers again, keep a standby at full width (one of the
@@ -280,7 +281,7 @@ class Relauncher:
         if self.standby is None and self._standby_starts < STANDBY_STARTS:
             self._standby_starts += 1
             say("starting the warm standby at full width for the regrow")
-            self.standby = self._new_standby(self._command(full_width=True), ())
+            self.standby = self._new_standby(self._command(full_width=True), (), self.spec.world_size)
         return self.standby is None or self.standby.ready() or time.monotonic() - self._back_heard >= STANDBY_WAIT_S
 
     def _learn(self, record: dict, standby_ready: bool, nodes_back: bool) -> None:
@@ -312,14 +313,18 @@ class Relauncher:
                               launch=self._token)
         return True
 
-    def _new_standby(self, cmd: list[str], nodes_out: tuple[str, ...]) -> Standby:
+    def _world_size(self) -> int:
+        """The running launch's ranks: a launch narrower than the job (a node out) has fewer replicas."""
+        return self.spec.world_size - (self.spec.replicas - self.replicas) * self.spec.ranks_per_replica
+
+    def _new_standby(self, cmd: list[str], nodes_out: tuple[str, ...], world_size: int) -> Standby:
         if not self._said_priority:
             self._said_priority = True
             say("the warm standby imports at idle CPU and I/O priority (it runs on what the training leaves idle; a "
                 f"rank not ready after {IDLE_IMPORT_S:g} s, where no core is idle, finishes at normal priority)"
                 if can_idle() else "the warm standby imports at normal priority, beside the training: this user "
                 "may not leave the idle class again (root, CAP_SYS_NICE or RLIMIT_NICE >= 20 would allow it)")
-        return Standby(cmd, self.spec.world_size, root=standby_root(self.spec.run_dir),
+        return Standby(cmd, world_size, root=standby_root(self.spec.run_dir),
                        graceful=self.spec.stop_grace_s is not None, pass_fds=self.spec.pass_fds, nodes_out=nodes_out)
 
     def _command(self, full_width: bool = False) -> list[str]:

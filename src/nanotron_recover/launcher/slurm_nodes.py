@@ -48,9 +48,23 @@ def fitting_replicas(slots: Sequence[int], ranks_per_replica: int, replicas: int
     return 0
 
 
-def host_option(nodes: Sequence[Node]) -> str:
-    """``mpirun --host`` for these nodes and their slots (``n1:2,n3:2``)."""
-    return ",".join(f"{n.name}:{n.slots}" for n in nodes)
+def host_option(nodes: Sequence[Node], ranks_per_replica: int = 1) -> str:
+    """``mpirun --host`` for these nodes and their slots (``n1:2,n3:2``), each node's slots rounded down to whole
+    replicas: ranks fill the slots in rank order (``--map-by slot``), so a node of 3 slots with 2 ranks a replica
+    would otherwise hold half of a replica whose other half is on the next node (lost with either node)."""
+    whole = [(n.name, n.slots // ranks_per_replica * ranks_per_replica) for n in nodes]
+    return ",".join(f"{name}:{slots}" for name, slots in whole if slots > 0)
+
+
+def whole_replica_hosts(nodes: Sequence[Node], ranks_per_replica: int, world_size: int) -> str | None:
+    """``--host`` for a launch on these nodes when a node's slots are not whole replicas and the whole-replica
+    slots still hold the job's ``world_size`` ranks; None when every node's slots are whole replicas already (or
+    they would not hold the job: then Open MPI's placement stands, and the launcher warns)."""
+    if all(n.slots % ranks_per_replica == 0 for n in nodes):
+        return None
+    if sum(n.slots // ranks_per_replica for n in nodes) * ranks_per_replica < world_size:
+        return None
+    return host_option(nodes, ranks_per_replica)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 from nanotron_recover.launcher.mpirun import with_env
 from nanotron_recover.launcher.mpirun_job import MpirunJob
 from nanotron_recover.process.standby_rank import CANCEL, RELEASE, ready_file
-from nanotron_recover.run.launch_contract import LAUNCHER_PID_ENV, STANDBY_ENV
+from nanotron_recover.run.launch_contract import STANDBY_ENV, TOKEN_ENV, LaunchContract
 from nanotron_recover.run.procfs import proc_stat, process_is_gone
 from nanotron_recover.run.run_folder import token_in
 
@@ -84,7 +84,9 @@ class Standby:
         self._seen: dict[int, int] = {}  # world rank -> pid, of its ranks seen alive on this node
         self._looked_at, self._broken = 0.0, None  # the last look at its ranks (a /proc scan: at most every 0.5 s)
         # the launch contract's standby fields (its token is the launch line's already)
-        env = {STANDBY_ENV: str(self.folder), LAUNCHER_PID_ENV: str(os.getpid())}
+        env = LaunchContract(standby_folder=self.folder, launcher_pid=os.getpid(),
+                             launcher_node=socket.gethostname()).as_env()
+        del env[TOKEN_ENV]  # the launch line says its own
         # In a Slurm allocation its mpirun starts the daemons of the other nodes as a second job step, which must
         # share the allocation's CPUs with the running job's (srun --overlap; without it the step waited for the
         # job's end on the test cluster, and the standby never got ready). On the batch node it forks its ranks.

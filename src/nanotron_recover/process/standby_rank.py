@@ -37,10 +37,13 @@ def ready_file(folder: Path, rank: int) -> Path:
     return folder / f"ready-{rank}"
 
 
-def wait_until_released(folder: Path, launcher: int | None, prepare: Callable[[], None]) -> None:
+def wait_until_released(folder: Path, launcher: int | None, launcher_node: str | None,
+                        prepare: Callable[[], None]) -> None:
     """Do ``prepare`` (the imports) at idle priority (at normal priority after :data:`IDLE_IMPORT_S`), say ready,
-    then return once released, at normal priority; exit at once when cancelled or when the ``launcher`` (its pid)
-    is gone."""
+    then return once released, at normal priority; exit at once when cancelled, when the ``launcher`` (its pid, on
+    ``launcher_node``) is gone, or when this rank's MPI daemon is (it was reparented). On another node the
+    launcher's pid means nothing (another pid space): there the daemon tells, as it ends with its ``mpirun``,
+    which the launcher started with a parent-death signal."""
     # The timer's thread is started before this thread goes idle: it keeps the normal class, and so fires on time
     # however busy the cores are.
     climb = threading.Timer(IDLE_IMPORT_S, priority.to_normal)
@@ -56,6 +59,7 @@ def wait_until_released(folder: Path, launcher: int | None, prepare: Callable[[]
     at = "idle" if idle and _still_idle() else "normal"
     ready_file(folder, rank).write_text(f"{os.getpid()} {socket.gethostname()} {at}")
     parent = os.getppid()
+    watch_launcher = launcher if launcher_node in (None, socket.gethostname()) else None
     checked = 0.0
     while not (folder / RELEASE).exists():
         if (folder / CANCEL).exists() or STOP.requested:  # asked to stop: carry that into no launch, leave
@@ -63,7 +67,7 @@ def wait_until_released(folder: Path, launcher: int | None, prepare: Callable[[]
         now = time.monotonic()
         if now - checked > 0.1:  # the launcher gone, or this rank's MPI daemon (then it was reparented)
             checked = now
-            if (launcher and not _alive(launcher)) or os.getppid() != parent:
+            if (watch_launcher and not _alive(watch_launcher)) or os.getppid() != parent:
                 os._exit(0)
         time.sleep(POLL_S)
     if idle:

@@ -401,7 +401,7 @@ class ResilientDataParallel(DataParallelStrategy):
             services.release_replica()
             self.parallel_context = self.buckets = None
             if self.snapshots is not None:
-                self.snapshots.finish()
+                self.snapshots.drop_replica()  # the broken replica's files on this node: no live replica needs them
                 self.snapshots = None
         if held or torch_dist.is_initialized():  # else a formation that broke after its rendezvous, before the model
             forget_torch_world(self.ft.rank)

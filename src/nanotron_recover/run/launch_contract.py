@@ -19,11 +19,13 @@ from typing import Mapping
 TOKEN_ENV = "NANOTRON_RECOVER_LAUNCH_TOKEN"
 STANDBY_ENV = "NANOTRON_RECOVER_STANDBY"
 LAUNCHER_PID_ENV = "NANOTRON_RECOVER_LAUNCHER_PID"
+LAUNCHER_NODE_ENV = "NANOTRON_RECOVER_LAUNCHER_NODE"
 NODE_NAME_ENV = "NANOTRON_RECOVER_NODE_NAME"
 HOST_ENV = "NANOTRON_RECOVER_HOST"
 SNAPSHOT_STALE_ENV = "NANOTRON_RECOVER_SNAPSHOT_STALE_S"
 _ENV = {"token": TOKEN_ENV, "standby_folder": STANDBY_ENV, "launcher_pid": LAUNCHER_PID_ENV,
-        "node_name": NODE_NAME_ENV, "host": HOST_ENV, "snapshot_stale_s": SNAPSHOT_STALE_ENV}
+        "launcher_node": LAUNCHER_NODE_ENV, "node_name": NODE_NAME_ENV, "host": HOST_ENV,
+        "snapshot_stale_s": SNAPSHOT_STALE_ENV}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class LaunchContract:
     token: str = "0"  # one per launch: the names its writers use; every line a rank writes names it
     standby_folder: Path | None = None  # a warm standby's folder: the rank waits there before MPI_Init until released
     launcher_pid: int | None = None  # the launcher a standby must not outlive
+    launcher_node: str | None = None  # the node (host name) it runs on: its pid means something only there
     node_name: str | None = None  # this node's name for its snapshot folder (a test bed's nodes share one host)
     host: str | None = None  # the address this rank's replica rendezvous on (a test bed's node)
     snapshot_stale_s: float | None = None  # a user's snapshot folders of other runs untouched this long are removed
@@ -48,7 +51,8 @@ class LaunchContract:
         said = {name: environ.get(var) or None for name, var in _ENV.items()}
         return cls(token=said["token"] or "0",
                    standby_folder=Path(said["standby_folder"]) if said["standby_folder"] else None,
-                   launcher_pid=_number(said["launcher_pid"], int), node_name=said["node_name"], host=said["host"],
+                   launcher_pid=_number(said["launcher_pid"], int), launcher_node=said["launcher_node"],
+                   node_name=said["node_name"], host=said["host"],
                    snapshot_stale_s=_number(said["snapshot_stale_s"], float))
 
 

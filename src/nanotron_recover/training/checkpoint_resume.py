@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from nanotron_recover.run.exit_codes import NeedsPerson
 from nanotron_recover.run.run_folder import LATEST_FILE, fsync_dir, latest_step, write_atomically
 from nanotron_recover.training.checkpoint_integrity import (
     PUBLISHING_MARKER,
@@ -115,13 +116,24 @@ def is_publishing(folder: Path) -> bool:
 
 
 def choose_intact(root: Path, resume_path: Path | None, peers: StartupPeers) -> ResumeChoice:
-    """Collective: the newest candidate whose files all match their checksums on every rank's share."""
+    """Collective: the newest candidate whose files all match their checksums on every rank's share.
+
+    The ranks first agree on what they listed (one gather, whatever was found: every rank has listed the root before
+    one of them settles it, renaming folders). Each rank reads its share of a candidate from its own view of the
+    folder, so a candidate some rank does not see cannot be verified, nor loaded there: where the listings differ
+    (a node-local ``checkpoints_path``, a file system's attribute cache, a writer still at work), no rank guesses:
+    every rank raises the same :class:`NeedsPerson` (exit 2), naming the difference."""
     found, problems, rolled_back = candidates(root, resume_path)
-    # one gather whatever was found: every rank has listed the root before one of them settles it (renames folders),
-    # and every rank holds the same list of rolled-back folders
-    listed = {name for names in peers.gather_at_startup(sorted(p.name for p in rolled_back)) for name in names}
+    listings = peers.gather_at_startup(([str(p) for p in found], sorted(p.name for p in rolled_back), problems))
+    differ = _differences([set(names) for names, _, _ in listings])
+    if differ:
+        raise NeedsPerson("checkpoint listings differ",
+                          f"the ranks do not see the same checkpoints under {resume_path or root}: {differ} "
+                          "(checkpoints_path must be one folder every node sees: a shared file system)")
+    listed = {name for _, names, _ in listings for name in names}
     rolled_back = sorted((root / name for name in listed), key=lambda p: int(p.name), reverse=True)
-    choice = ResumeChoice(damaged=list(problems), rolled_back=rolled_back)
+    choice = ResumeChoice(damaged=sorted({line for _, _, lines in listings for line in lines}),
+                          rolled_back=rolled_back)
     index, count = peers.startup_share()
     for folder in found:
         try:
@@ -191,3 +203,16 @@ def _free_name(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}{n}")
     return candidate
+
+
+def _differences(listings: list[set[str]]) -> str:
+    """'' when every rank listed the same folders; else which ranks lack which folders (the first few)."""
+    everywhere = set.intersection(*listings) if listings else set()
+    missing = [(rank, sorted(set.union(*listings) - names)) for rank, names in enumerate(listings)
+               if names != set.union(*listings)]
+    if not missing:
+        return ""
+    shown = "; ".join(f"rank {rank} does not see {', '.join(Path(m).name for m in names[:3])}"
+                      for rank, names in missing[:4])
+    more = f" (and {len(missing) - 4} more ranks)" if len(missing) > 4 else ""
+    return f"{shown}{more}; all of them see {len(everywhere)}"

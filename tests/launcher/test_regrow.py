@@ -71,6 +71,16 @@ def test_before_a_relaunch_was_measured_the_launchs_start_up_stands_for_its_cost
     assert why is not None and decision.news["relaunch_s"] == 4.0
 
 
+def test_a_node_back_early_in_a_slow_start_is_weighed_on_the_launchs_recent_steps():
+    """The node answers again 3 steps into the narrower launch, whose first steps were slow (warm-up, a standby
+    importing beside them): the job's full-width step is estimated from the same recent steps, so the regrow pays
+    (seen on the Slurm bed: estimated from the slow first steps, 0.12 s against 0.076 s now, it never did)."""
+    decision = regrow(1, job_width=2)
+    assert all(decision.after_commit(s, 1, 0.25) is None for s in range(1, 4))
+    decisions = [decision.after_commit(s, 1, 0.076, nodes_back=True) for s in range(4, 4 + SETTLE_STEPS + 1)]
+    assert decisions[-1] is not None and decision.news["step_full_s"] == pytest.approx(0.038)
+
+
 def test_a_launch_run_narrower_regrows_once_its_missing_node_is_back():
     decision = regrow(1, job_width=2)  # the launcher left a node out: 1 replica of the job's 2
     assert all(decision.after_commit(s, 1, 0.2) is None for s in range(1, 20))  # at this launch's full width

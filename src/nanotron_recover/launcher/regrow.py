@@ -96,7 +96,10 @@ class Regrow:
         waiting = self.standby_follows and not standby_ready and target == self.full_width
         if waiting and (step - self.degraded_since) * step_s >= STANDBY_WAIT_S:
             waiting, relaunch_s = False, self.startup_s if self.startup_s is not None else relaunch_s  # cold
-        step_full_s = self.step_full_s * self.full_width / target  # estimated when wider than this launch
+        # wider than this launch (a node back): the job's full-width step estimated from this launch's own recent
+        # steps (the same window), not from its first ones (warm-up, a standby importing beside them: seen 3x slower,
+        # and the regrow then never paid)
+        step_full_s = step_s * self.full_width / target if target > self.full_width else self.step_full_s
         decision = decide(step_s, step_full_s, relaunch_s, self.horizon_s)
         regrow = decision.regrow and not waiting
         if regrow != self._verdict or (step - self.degraded_since) % SAY_EVERY_STEPS == 0:

@@ -33,9 +33,8 @@ from typing import Sequence
 from nanotron_recover.launcher.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV  # what the launcher reads (light imports)
 from nanotron_recover.run.procfs import proc_stat, process_is_gone
 
-AGENT = """#!/usr/bin/env bash
-# a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here
-while [[ $# -gt 0 ]]; do
+# what an ssh stand-in does first: drop ssh's options, take the host name ($host), leave the command in "$@"
+SSH_ARGS = """while [[ $# -gt 0 ]]; do
   case "$1" in
     -o|-p|-l|-i|-F) shift 2 ;;
     -*) shift ;;
@@ -43,9 +42,13 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 host=$1
-export NANOTRON_RECOVER_NODE_NAME="$host"  # the ranks' node name (node-local snapshots)
 shift
-echo $$ > "$(dirname "$0")/$host.pid"
+export NANOTRON_RECOVER_NODE_NAME="$host"  # the ranks' node name (node-local snapshots)
+"""
+
+AGENT = """#!/usr/bin/env bash
+# a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here
+""" + SSH_ARGS + """echo $$ > "$(dirname "$0")/$host.pid"
 exec bash -c "$*"
 """
 

@@ -48,7 +48,7 @@ from typing import Sequence
 
 from nanotron_recover.launcher.launch import MPIRUN_ARGS_ENV
 from nanotron_recover.run.procfs import proc_stat, process_is_gone
-from nanotron_recover.testbed.fake_nodes import node_names, write_bed
+from nanotron_recover.testbed.fake_nodes import SSH_ARGS, node_names, write_bed
 
 STATE = "bed.json"
 SUBNET = "10.213"  # 10.213.<bed id>.0/24; the host's side of the bridge is .254
@@ -61,21 +61,11 @@ TOOLS = ("unshare", "nsenter", "ip", "mount", "hostname")
 AGENT = """#!/usr/bin/env bash
 # a stand-in for ssh into an isolated node (nanotron_recover.testbed.isolated_nodes): drop ssh's options and the
 # host name, run the command inside that node's namespaces
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    -o|-p|-l|-i|-F) shift 2 ;;
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-host=$1
-shift
-read -r pid ns < "$(dirname "$0")/$host.init" 2>/dev/null
+""" + SSH_ARGS + """read -r pid ns < "$(dirname "$0")/$host.init" 2>/dev/null
 if [[ -z "$pid" || "$(readlink "/proc/$pid/ns/pid" 2>/dev/null)" != "$ns" ]]; then
   echo "ssh: connect to host $host: No route to host (isolated node not running)" >&2
   exit 255
 fi
-export NANOTRON_RECOVER_NODE_NAME="$host"  # the ranks' node name (node-local snapshots)
 nsenter -t "$pid" -m -u -i -n -p -- bash -c 'cd "$0" 2>/dev/null || cd /; exec bash -c "$1"' "$PWD" "$*"
 rc=$?
 if [[ "$(readlink "/proc/$pid/ns/pid" 2>/dev/null)" != "$ns" ]]; then

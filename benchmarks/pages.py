@@ -39,6 +39,7 @@ SECTIONS = {
     "precision": "bf16-vs-fp32-issue-14",
     "snapshot": "node-local-snapshots-issue-18",
     "relaunch": "relaunching-in-place-from-a-warm-standby-issue-45",
+    "real_nodes": "isolated-nodes-issue-52",
     "recycle": "recycling-survivors-issue-15",
     "scale": "scale-the-failure-simulator-issue-17",
     "vs_torchft": "side-by-side-with-torchft-issue-25",
@@ -213,6 +214,16 @@ ROWS: tuple[Row, ...] = (
     Row("data_plane", "a kill inside the reduction: detect + repair (+ the new group), MPI / torch plane",
         "{mpi_detect_ms:.0f} + {mpi_repair_ms:.0f} ms / {torch_detect_ms:.0f} + {torch_repair_ms:.0f} + "
         "{torch_group_build_ms:.0f} ms", "what each plane pays between the death and the repeated reduction"),
+    Row("real_nodes", "isolated nodes (own pid, mount, network namespaces): the job's daemon on n2 lost; node n2 "
+        "lost and back 15 s later; n2 cut off 2 x the hang timeout; n2 cut off and frozen, then back",
+        "{warm_relaunch_previous_end_to_first_step_s:.1f} s (warm: {warm_relaunch_warm}); "
+        "{node_lost_regrow_fault_to_next_launch_step_s:.1f} s on n1 (warm: {node_lost_regrow_warm}); "
+        "{partition_fault_to_next_launch_step_s:.1f} s (warm: {partition_warm}); "
+        "{partition_frozen_fault_to_next_launch_step_s:.1f} s (warm: {partition_frozen_warm}); fenced writes "
+        "{partition_frozen_fenced_writes}",
+        "seconds: the old job's end (first) or the fault (others) to the next launch's first step; warm: each "
+        "relaunch (the last a regrow); every scenario exit 0, M every step, the failure-free losses; the 71 s is an "
+        "unexplained stall of the bed's network (see the section)"),
     Row("fault_campaign", "randomized fault campaign: trials; failures; stalls; false kills",
         "{trials}; {failures}; {stalls}; {false_kills}", "every trial's invariants checked (`benchmarks/"
         "fault_campaign.py`'s doc); seed {seed}"),

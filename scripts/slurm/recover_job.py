@@ -39,6 +39,7 @@ from nanotron_recover.launcher.mpirun import replica_placement, slurm_tasks_per_
 
 # light modules only (no torch, no nanotron): this runs between two mpirun jobs
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT
+from nanotron_recover.run.launch_contract import TOKEN_ENV
 from nanotron_recover.run.outcome import OUTCOME_EXIT_CODES, judge_launch
 from nanotron_recover.run.run_folder import begin_launch
 
@@ -92,7 +93,8 @@ def _begin(argv: Sequence[str]) -> int:
     if loaded is None:
         return EXIT_BAD_INPUT
     args, config = loaded
-    print(f"launch {begin_launch(Path(args.run_dir), launch_record(config, by='sbatch'))}")
+    token = os.environ.get(TOKEN_ENV)  # the script's launch token, which its ranks get too: the folder is theirs
+    print(f"launch {begin_launch(Path(args.run_dir), {**launch_record(config, by='sbatch'), 'token': token})}")
     return 0
 
 

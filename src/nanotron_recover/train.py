@@ -20,6 +20,7 @@ from nanotron_recover.launcher.overrides import add_override_args
 from nanotron_recover.process.standby_rank import wait_until_released
 from nanotron_recover.process.startup_guard import StartupGuard, arm_startup_guard, waiting_for_peers
 from nanotron_recover.process.stop_request import STOP
+from nanotron_recover.run import fence
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT
 from nanotron_recover.run.launch_contract import LaunchContract
 
@@ -52,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    fence.arm(run_dir, launch.token)  # every write to the run folder from here on is this launch's, or none
     timeout_s = config.fault_tolerance.collective_timeout_s if config.fault_tolerance else 600.0
     if config.ft_enabled:
         return _run_resilient(config, run_dir, timeout_s, guard, launch)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 
-from nanotron_recover.run.procfs import proc_stat, process_is_gone
+import pytest
+
+from nanotron_recover.run.procfs import in_my_pid_namespace, proc_stat, process_is_gone
 
 
 def test_a_running_process_is_not_gone_and_names_its_parent() -> None:
@@ -32,3 +35,28 @@ def test_a_zombie_is_gone_before_it_is_reaped_and_after() -> None:
     assert process_is_gone(pid)
     os.waitpid(pid, 0)
     assert proc_stat(pid) is None and process_is_gone(pid)
+
+
+def _can_unshare_pid() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs unshare of a pid namespace (root)")
+def test_a_process_of_another_pid_namespace_is_not_on_this_node():
+    """An isolated test-bed node's processes are seen in the host's /proc, but are another node's."""
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        child = None
+        while child is None and time.monotonic() < deadline:
+            child = next((int(p) for p in os.listdir("/proc") if p.isdigit()
+                          and (proc_stat(int(p)) or (0,))[0] == inner.pid), None)
+            time.sleep(0.01)
+        assert child is not None
+        assert in_my_pid_namespace(inner.pid)  # unshare itself stays in ours; its forked child is pid 1 of the new
+        assert not in_my_pid_namespace(child)
+        assert in_my_pid_namespace(os.getpid())
+    finally:
+        inner.kill()
+        inner.wait()

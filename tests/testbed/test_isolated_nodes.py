@@ -9,6 +9,8 @@ and training jobs; no mocks. Needs root and namespaces: skipped elsewhere, sayin
 4. ``nanotron-recover train`` on two isolated nodes (a replica per node), failure-free and with node n2 killed
    mid-run: the relaunch (n2 replaced, its memory gone) resumes from n1's node-local snapshots and every step's
    loss equals the failure-free run's.
+5. n2 cut off and frozen mid-run: the launcher relaunches on n1 alone (asked over ssh), n2's ranks of the old launch
+   wake up later and are fenced before they write, the job regrows once n2 answers; the same losses.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from nanotron_recover.launcher.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV
 from nanotron_recover.launcher.mpirun import mpirun_command
 from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.exit_codes import EXIT_RESTART
-from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl
+from nanotron_recover.run.fence_audit import writes_after_replacement
+from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl, record_external_fault
 from nanotron_recover.testbed import isolated_nodes as iso
 
 REASON = iso.unavailable_reason() if sys.platform == "linux" else "Linux only"
@@ -351,3 +354,92 @@ def test_a_node_lost_while_its_ssh_ends_at_once_is_relaunched_in_place(bed, tiny
     steps = [s["step"] for s in read_metrics(run_dir)[0]]
     assert steps[-1] == STEPS, out[-4000:]
     print(f"\nn2 lost after step {when['step']} (its ssh ended at once), replaced; relaunched in place, finished")
+
+
+# ------------------------------------------------------------------------- 5. a node cut off, frozen, and back
+PARTITION_STEPS = 500
+HANG_S = 8.0
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 120)
+def test_a_node_cut_off_and_frozen_is_fenced_the_job_goes_on_without_it_and_regrows(bed, tiny_config,
+                                                                                    failure_free_run):
+    """n2's link goes down after step 5 and its processes freeze (a node that hangs and drops off the network).
+    Its ranks' peers find them silent past the hang timeout, cannot reach them to kill them, and end the job; the
+    launcher asks the nodes over ssh, relaunches on n1 alone with the same global batch, and fences launch 1: the
+    folder is launch 2's. Once launch 2 has run a while, n2 comes back (link up, processes thawed): its ranks of
+    launch 1 wake up believing a step is in flight and try to report the hang; the fence ends them before they
+    write. The launcher hears n2 answer, starts a standby at full width and regrows. Every step has the failure-free
+    loss and all M microbatches; nothing of launch 1 is written after launch 2 began."""
+    config = tiny_config(dp=2, tp=2, accumulation=2, steps=PARTITION_STEPS, layers=2, checkpoint_interval=1000,
+                         fault_tolerance={"enabled": True, "min_replicas": 1, "reduce_bucket_mb": 0.01,
+                                          "hang_timeout_s": HANG_S, "collective_timeout_s": HANG_S + 20,
+                                          "local_snapshot_interval": 1})
+    want = {s["step"]: s["loss"] for s in failure_free_run(config, timeout_s=TIMEOUT_S).steps}
+    run_dir = Path(bed.shared) / "run"
+    config_path = write_config(config, run_dir / "config.yaml")
+    cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
+           "--run-dir", str(run_dir), "--synthetic-data"]
+    env = {**os.environ, **iso.launch_env(Path(bed.folder)), "NANOTRON_RECOVER_MAX_RESTARTS": "3",
+           "NANOTRON_RECOVER_NODE_PROBE_S": "5"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env, cwd=bed.shared)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    frozen: list[int] = []
+    cut = healed = None
+    deadline = time.monotonic() + 2 * TIMEOUT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            steps = read_metrics(run_dir)[0]
+            if cut is None and len(steps) >= 5:
+                record_external_fault(run_dir, "partition-and-freeze-n2")  # its hang events are expected
+                iso.partition(bed, "n2")
+                frozen = [p for p in iso.node_pids(bed.nodes["n2"]) if p != bed.nodes["n2"].init]
+                for pid in frozen:
+                    os.kill(pid, signal.SIGSTOP)
+                cut = (steps[-1]["step"], time.monotonic())
+            if cut and healed is None and len(read_launches(run_dir)) >= 2 and len(steps) >= cut[0] + 15:
+                iso.partition(bed, "n2", connected=True)
+                for pid in frozen:
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+                healed = (steps[-1]["step"], time.monotonic() - cut[1])
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+    out = "".join(output)
+    launches = read_launches(run_dir)
+    print(f"\nn2 cut off and frozen after step {cut and cut[0]}; back {healed and healed[1]:.1f} s later (step "
+          f"{healed and healed[0]}); launches: "
+          + "; ".join(f"{r['launch']} warm {r['warm']} replicas {r['replicas']} out {r.get('nodes_out')}"
+                      for r in launches))
+    assert cut and healed, out[-4000:]
+    assert proc.returncode == 0, out[-4000:]
+    assert "n2 did not answer over ssh" in out, out[-4000:]
+    assert [(r["replicas"], r.get("nodes_out")) for r in launches[:2]] == [(2, []), (1, ["n2"])], launches
+    assert launches[-1]["replicas"] == 2 and launches[-1]["warm"] and launches[-1].get("regrow"), launches
+    assert writes_after_replacement(run_dir) == []
+    steps = read_metrics(run_dir)[0]
+    assert [s["step"] for s in steps] == list(range(1, PARTITION_STEPS + 1))
+    assert {s["microbatches"] for s in steps} == {4} and {s["live_replicas"] for s in steps} == {1, 2}
+    diff = max(abs(s["loss"] - want[s["step"]]) for s in steps)
+    assert diff <= TOL, diff
+    old = launches[0]["token"]
+    assert not [p for p in iso.node_pids(bed.nodes["n2"]) if old.encode() in _environ_bytes(p)]  # no zombie left
+
+
+def _environ_bytes(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

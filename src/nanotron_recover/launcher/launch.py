@@ -188,18 +188,26 @@ def _relauncher(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig
 
 
 def _node_fit(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig", run_dir: Path) -> "NodeFit | None":
-    """In a Slurm allocation of several nodes (and no hostfile of the user's): relaunches fitted to the nodes
-    that answer (:mod:`nanotron_recover.launcher.node_fit`)."""
+    """On a hostfile of several nodes (asked over ssh), or in a Slurm allocation of several nodes (asked with a job
+    step): relaunches fitted to the nodes that answer (:mod:`nanotron_recover.launcher.node_fit`)."""
+    from nanotron_recover.launcher.hostfile_nodes import HostfileNodes
     from nanotron_recover.launcher.node_fit import NodeFit
     from nanotron_recover.launcher.slurm_nodes import Allocation
 
-    allocation = Allocation.from_environment()
-    if not config.ft_enabled or allocation is None or os.environ.get(HOSTFILE_ENV):
+    if not config.ft_enabled:
         return None
-    # every launch's daemons start as a job step that shares the allocation's CPUs (srun --overlap): the step of a
-    # job whose node was lost stays behind until Slurm gives up on that node, and a relaunch's step would wait for
-    # it (seen on the test cluster: the relaunch on the remaining node hung in srun)
-    os.environ["SLURM_OVERLAP"] = "1"
+    hostfile = os.environ.get(HOSTFILE_ENV)
+    if hostfile:
+        allocation = HostfileNodes.from_environment(hostfile, shlex.split(os.environ.get(MPIRUN_ARGS_ENV, "")))
+    else:
+        allocation = Allocation.from_environment()
+        # every launch's daemons start as a job step that shares the allocation's CPUs (srun --overlap): the step
+        # of a job whose node was lost stays behind until Slurm gives up on that node, and a relaunch's step would
+        # wait for it (seen on the test cluster: the relaunch on the remaining node hung in srun)
+        if allocation is not None:
+            os.environ["SLURM_OVERLAP"] = "1"
+    if allocation is None:
+        return None
 
     def reshape(replicas: int, hosts: str) -> list[str]:
         narrow = argparse.Namespace(**{**vars(args), "replicas": replicas, "run_dir": str(run_dir)})

@@ -1,4 +1,5 @@
-"""Each relaunch fitted to the allocation's nodes that answer; a job run narrower learns when a node is back.
+"""Each relaunch fitted to the nodes that answer (a Slurm allocation's, or a hostfile's); a job run narrower learns
+when a node is back.
 
 The relauncher asks :class:`NodeFit` for the launch line before every relaunch in place: the full one when every
 node of the allocation answers, else one for the nodes that do (``--replicas R --host ...``, the global batch
@@ -13,9 +14,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
+from nanotron_recover.launcher.hostfile_nodes import HostfileNodes
 from nanotron_recover.launcher.slurm_nodes import REPROBE_EVERY_S, Allocation, Node, fitting_replicas, host_option
+
+Nodes = Union[Allocation, HostfileNodes]  # a Slurm allocation's nodes (asked with srun) or a hostfile's (with ssh)
 
 Say = Callable[[str], None]
 
@@ -25,7 +29,7 @@ class NodeFit:
     """The job's shape on the allocation (``replicas`` training replicas of ``ranks_per_replica`` ranks, plus
     ``spares``, M = ``microbatches``) and how to launch it narrower (``reshape(R, hosts)``)."""
 
-    allocation: Allocation
+    allocation: Nodes
     ranks_per_replica: int
     replicas: int
     spares: int
@@ -52,7 +56,8 @@ class NodeFit:
             self.out = ()
             return self.full_cmd, self.replicas
         fits = self._replicas_on(healthy)
-        why = f"node(s) {', '.join(out)} did not run a job step within {self.allocation.probe_timeout_s:g} s"
+        how = "run a job step" if isinstance(self.allocation, Allocation) else "answer over ssh"
+        why = f"node(s) {', '.join(out)} did not {how} within {self.allocation.probe_timeout_s:g} s"
         if fits < max(1, self.min_replicas):
             say(f"{why}; {fits} replica(s) fit on the others, fewer than min_replicas {self.min_replicas}: the "
                 "scheduler's turn (exit 3)")

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from nanotron_recover.run.procfs import proc_stat
+from nanotron_recover.run.procfs import in_my_pid_namespace, proc_stat
 from nanotron_recover.run.run_folder import read_metrics
 
 
@@ -168,6 +168,8 @@ def rank_processes(run_dir: Path) -> dict[int, int]:
         except (OSError, ValueError):
             continue
         if state == "Z" or name in MPI_DAEMONS or Path(cmdline[0].decode(errors="replace")).name in MPI_DAEMONS:
+            continue
+        if not in_my_pid_namespace(int(entry)):  # another node's (a test bed's host sees them all)
             continue
         rank = next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
         if rank is not None and not _waiting_standby(environ):

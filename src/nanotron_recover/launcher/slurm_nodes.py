@@ -21,7 +21,7 @@ import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from nanotron_recover.launcher.mpirun import slurm_tasks_per_node
 
@@ -110,10 +110,7 @@ class Allocation:
     def answering(self, nodes: Sequence[Node]) -> list[Node]:
         """Those of ``nodes`` that run a job step within the probe timeout, asked all at once (the batch node,
         where the launcher itself runs, without asking)."""
-        asked = [n for n in nodes if n.name != self.batch_node]
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(asked)))) as pool:
-            answers = dict(zip((n.name for n in asked), pool.map(self.answers, (n.name for n in asked))))
-        return [n for n in nodes if n.name == self.batch_node or answers.get(n.name)]
+        return ask_nodes(nodes, self.batch_node, self.answers)
 
     def answers(self, node: str) -> bool:
         cmd = ["srun", f"--jobid={self.job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
@@ -123,6 +120,15 @@ class Allocation:
                                   stderr=subprocess.DEVNULL, timeout=self.probe_timeout_s).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             return False
+
+
+def ask_nodes(nodes: Sequence[Node], batch_node: str, answers: Callable[[str], bool]) -> list[Node]:
+    """Those of ``nodes`` for which ``answers(name)`` is True, asked all at once (``batch_node``, where the launcher
+    itself runs, without asking)."""
+    asked = [n for n in nodes if n.name != batch_node]
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(asked)))) as pool:
+        said = dict(zip((n.name for n in asked), pool.map(answers, (n.name for n in asked))))
+    return [n for n in nodes if n.name == batch_node or said.get(n.name)]
 
 
 def hostnames(nodelist: str) -> list[str]:

@@ -29,6 +29,7 @@ from nanotron_recover.run.run_folder import token_in
 
 LOOK_EVERY_S = 0.5  # how often the launcher looks for a standby's dead ranks (a /proc scan)
 STANDBY_RSS_GB = 0.6  # a standby rank after its imports, measured (benchmarks/relaunch_bench.py): ~0.35-0.45 GB
+CANCEL_WAIT_S = 2.0  # a cancelled standby's mpirun: SIGHUP, then SIGKILL after this long
 
 
 def standby_fits(world_size: int, meminfo: Path = Path("/proc/meminfo")) -> bool:
@@ -154,7 +155,9 @@ class Standby:
 
     def cancel(self) -> None:
         (self.folder / CANCEL).touch()
-        self.job.end()
+        # nothing of a standby needs saving: its mpirun gets a short while to end its ranks, then SIGKILL (one still
+        # starting a daemon on a node that does not answer holds SIGHUP until ssh gives up: seen 10 s on the bed)
+        self.job.end(timeout_s=CANCEL_WAIT_S)
         self.remove()
 
     def remove(self) -> None:

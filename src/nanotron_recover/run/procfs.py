@@ -3,6 +3,8 @@ guard and the hang monitor read it without torch or MPI)."""
 
 from __future__ import annotations
 
+import os
+
 
 def proc_stat(pid: int) -> tuple[int, str, str] | None:
     """(parent pid, name, state letter) of ``pid`` from ``/proc/<pid>/stat``; None when there is no such process.
@@ -23,3 +25,13 @@ def process_is_gone(pid: int) -> bool:
     """True when ``pid`` has exited: no such process, or a zombie (dead, its parent has not reaped it yet)."""
     stat = proc_stat(pid)
     return stat is None or stat[2] in ("Z", "X")
+
+
+def in_my_pid_namespace(pid: int) -> bool:
+    """``pid`` lives in this process's pid namespace: on this node. A machine's processes share one (a container's
+    are its node's own); a test bed's isolated nodes each have theirs, and the host that runs them sees every node's
+    processes in ``/proc``, which no launcher on a real node could."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except OSError:  # gone, or not ours to inspect (another user's): not known to be elsewhere
+        return True

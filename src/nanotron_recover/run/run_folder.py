@@ -14,6 +14,7 @@ One run folder (``--run-dir``) holds everything a run leaves behind, over all th
     hangs/rank-<r>-step-<s>.txt  the threads' stacks of a rank that found itself stuck
     checkpoints/         nanotron checkpoints and ``latest.txt`` (the path is configurable)
     .launch.lock         held (flock) by the launch that writes the folder: two launches never write it at once
+    launch.current       the token of the launch that owns the folder: ranks of another launch are fenced (fence.py)
 
 Nothing is ever half written: records are written to a temporary file and renamed into place, and lines are
 appended with one ``write`` on an ``O_APPEND`` descriptor. Standard library only: the start-up guard and the fault
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from nanotron_recover.run import fence
 from nanotron_recover.run.launch_contract import TOKEN_ENV
 
 METRICS_FILE = "metrics.jsonl"
@@ -132,6 +134,7 @@ def metrics_path(run_dir: Path) -> Path:
 def append_metrics_record(run_dir: Path, record: dict[str, Any], launch: str | None = None) -> None:
     """A record from a rank that is not the logging rank (a hang event), or from the launcher (its regrow
     decisions): one appended line, naming its ``launch`` (its token)."""
+    fence.guard("a metrics record")
     line = {**record, "launch": launch}
     append_line(metrics_path(run_dir), json.dumps(line, default=str))
 
@@ -216,6 +219,7 @@ def read_logged_step(run_dir: Path) -> int | None:
 
 
 def record_logged_step(run_dir: Path, step: int) -> None:
+    fence.guard("the wandb mark")
     write_atomically(Path(run_dir) / WANDB_LOGGED_FILE, f"{step}\n")
 
 
@@ -226,6 +230,7 @@ def exit_record_path(run_dir: Path, rank: int | str) -> Path:
 
 def record_exit(run_dir: Path, rank: int, code: int, reason: str, **extra: Any) -> None:
     """How a rank ended (mpirun's own exit code says little under ULFM); empty ``extra`` values are left out."""
+    fence.guard("its exit record")
     record = {"rank": rank, "code": code, "reason": reason, **{k: v for k, v in extra.items() if v}}
     write_json_atomically(exit_record_path(run_dir, rank), record)
 
@@ -276,6 +281,8 @@ def begin_launch(run_dir: Path, record: dict[str, Any]) -> int:
         archive.mkdir(parents=True, exist_ok=True)
         os.replace(exits, archive / EXITS_DIR)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # from here on the folder is this launch's: ranks of an earlier launch that still live are fenced (fence.py)
+    write_atomically(fence.current_path(run_dir), f"{record.get('token') or fence.UNNAMED}\n")
     append_line(run_dir / LAUNCHES_FILE, json.dumps({"launch": number, "time": time.time(), **record}, default=str))
     return number
 
@@ -385,6 +392,7 @@ def has_provoked_hang(run_dir: Path) -> bool:
 # ------------------------------------------------------------------------------------------------ hangs
 def write_hang_stacks(run_dir: Path, rank: int, step: int, stacks: str) -> Path:
     """The stacks of a rank that found itself stuck, whole or absent (a replica-mate's kill may come any time)."""
+    fence.guard("its stacks")
     path = Path(run_dir) / HANGS_DIR / f"rank-{rank}-step-{step}.txt"
     write_atomically(path, stacks)
     return path

@@ -13,6 +13,7 @@ from typing import BinaryIO, Callable, Sequence
 
 import torch
 
+from nanotron_recover.run import fence
 from nanotron_recover.snapshots.catalog import _FILE, SUFFIX, file_name
 from nanotron_recover.snapshots.format import (
     WRITE_PIECE_BYTES,
@@ -77,6 +78,7 @@ class SnapshotWriter:
         self.wait()
         if self.failed is not None:
             return
+        fence.guard(f"the node-local snapshot of step {step}")
         if not self._layout:
             self._layout = _describe(tensors)
             self._payload_bytes = sum(_raw_bytes(t).numel() for t in tensors)
@@ -147,6 +149,7 @@ class SnapshotWriter:
                 raise RuntimeError("snapshot header changed length")  # a bug: the placeholder's width is fixed
             f.seek(0)
             f.write(final)
+        fence.guard("a node-local snapshot")  # the launch may have been replaced while the file was written
         os.replace(tmp, path)  # complete: only now does it replace anything
         self.bytes_written += len(head) + self._payload_bytes
 

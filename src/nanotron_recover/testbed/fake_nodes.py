@@ -48,7 +48,8 @@ export NANOTRON_RECOVER_NODE_NAME="$host"  # the ranks' node name (node-local sn
 
 AGENT = """#!/usr/bin/env bash
 # a stand-in for ssh (nanotron_recover.testbed.fake_nodes): drop its options and the host name, run the command here
-""" + SSH_ARGS + """echo $$ > "$(dirname "$0")/$host.pid"
+""" + SSH_ARGS + """# the node's root process, not the launcher's probe (hostfile_nodes.py: `true`)
+[[ "$*" != true ]] && echo $$ > "$(dirname "$0")/$host.pid"
 exec bash -c "$*"
 """
 

@@ -61,9 +61,15 @@ TOOLS = ("unshare", "nsenter", "ip", "mount", "hostname")
 AGENT = """#!/usr/bin/env bash
 # a stand-in for ssh into an isolated node (nanotron_recover.testbed.isolated_nodes): drop ssh's options and the
 # host name, run the command inside that node's namespaces
-""" + SSH_ARGS + """read -r pid ns < "$(dirname "$0")/$host.init" 2>/dev/null
+""" + SSH_ARGS + """read -r pid ns veth < "$(dirname "$0")/$host.init" 2>/dev/null
 if [[ -z "$pid" || "$(readlink "/proc/$pid/ns/pid" 2>/dev/null)" != "$ns" ]]; then
   echo "ssh: connect to host $host: No route to host (isolated node not running)" >&2
+  exit 255
+fi
+if (( ! ($(cat "/sys/class/net/$veth/flags" 2>/dev/null || echo 0) & 1) )); then
+  # partitioned (its link down): a connection attempt hears nothing until ssh's ConnectTimeout
+  sleep "${NANOTRON_RECOVER_BED_SSH_CONNECT_S:-{connect_s}}"
+  echo "ssh: connect to host $host port 22: Connection timed out (isolated node partitioned)" >&2
   exit 255
 fi
 nsenter -t "$pid" -m -u -i -n -p -- bash -c 'cd "$0" 2>/dev/null || cd /; exec bash -c "$1"' "$PWD" "$*"
@@ -80,7 +86,7 @@ exit $rc
 
 # ssh's ServerAliveInterval x ServerAliveCountMax, a typical cluster's; NANOTRON_RECOVER_BED_SSH_GIVES_UP_S=0: an
 # ssh that ends as soon as its node is gone (Open MPI then says a daemon "failed to report back")
-AGENT = AGENT.replace("{dead_s}", "30")
+AGENT = AGENT.replace("{dead_s}", "30").replace("{connect_s}", "10")  # ConnectTimeout: a typical 10 s
 
 # The node's pid 1: reaps what is orphaned into it (daemons started by nsenter whose parent ended) and never ends
 # by itself; SIGKILL from the host ends it and so the whole node.
@@ -254,7 +260,7 @@ def start_node(bed: Bed, name: str, timeout_s: float = 20.0) -> Node:
     node.pidns = os.readlink(f"/proc/{node.init}/ns/pid")
     save(bed)
     _plug(bed, node)
-    (folder / f"{name}.init").write_text(f"{node.init} {node.pidns}\n")
+    (folder / f"{name}.init").write_text(f"{node.init} {node.pidns} {node.veth}\n")
     return node
 
 
@@ -281,7 +287,11 @@ def _only_child(pid: int) -> int:
 def _plug(bed: Bed, node: Node) -> None:
     """The node's veth pair: ``eth0`` inside with its address, the host's end on the bridge; ``lo`` up."""
     _run("ip", "link", "del", node.veth, check=False)  # a lost node's end, when its namespace is not gone yet
-    _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", str(node.init))
+    # a fixed MAC per node, as a rebooted machine keeps its NIC's: with a new one each start, the others' ARP caches
+    # sent a restarted node's packets to the lost one's address for up to a minute (seen: a relaunch's start-up 70 s)
+    mac = "02:00:0a:d5:%02x:%02x" % (bed.bed_id, int(node.name.lstrip("n")))
+    _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "address", mac, "netns",
+         str(node.init))
     _run("ip", "link", "set", node.veth, "master", bed.bridge, "up")
     inside = ["nsenter", "-t", str(node.init), "-n", "ip"]
     _run(*inside, "addr", "add", f"{node.ip}/24", "dev", "eth0")

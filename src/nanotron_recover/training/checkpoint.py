@@ -25,6 +25,7 @@ from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.nanotron_compat.quiet_save import install_quiet_weight_save
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
+from nanotron_recover.run import fence
 from nanotron_recover.run.disk_space import DiskFull, is_disk_full, written_path
 from nanotron_recover.run.exit_codes import NeedsPerson
 from nanotron_recover.run.run_folder import fsync_dir, write_atomically
@@ -240,6 +241,7 @@ class CheckpointManager:
     def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
                            publisher: bool, extra_state: dict | None, fault_point: Callable[[str], None]) -> None:
         final = self.root / str(step)
+        fence.guard(f"checkpoint {step}")
         if publisher:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed writers' (the run folder's lock is ours)
@@ -262,6 +264,7 @@ class CheckpointManager:
             FILES_KEY: manifest(tmp),  # read back from the page cache: the files just written
         }
         write_atomically(tmp / STATE_FILE, sealed_state_text(state), durable=True)
+        fence.guard(f"the publish of checkpoint {step}")  # the write took long: the launch may be another now
         write_atomically(tmp / PUBLISHING_MARKER, f"{tmp.name}\n", durable=True)  # until the pointer names it
         shutil.rmtree(final, ignore_errors=True)  # a partial folder can only be a leftover; the state file was absent
         os.replace(tmp, final)

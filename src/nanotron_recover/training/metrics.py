@@ -38,7 +38,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
-from nanotron_recover.run import run_folder
+from nanotron_recover.run import fence, run_folder
 from nanotron_recover.run.run_folder import read_logged_step, read_metrics_jsonl
 
 __all__ = ["MetricsLogger", "wandb_replay", "find_wandb_run_files"]
@@ -170,6 +170,7 @@ class MetricsLogger:
 
     def _write(self, record: Mapping[str, Any]) -> None:
         assert self._file is not None
+        fence.guard("a metrics line")
         line = dict(record)
         line.setdefault("time", time.time())
         line.setdefault("launch", self.launch)

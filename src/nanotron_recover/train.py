@@ -36,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch.standby_folder is not None:  # a warm standby: the imports now, MPI and the rest once released
         wait_until_released(launch.standby_folder, launch.launcher_pid, launch.launcher_node,
                             prepare=lambda: _import_training_stack(args))
+    if args.run_dir:  # before the start-up guard forks its watchdog: the watchdog's exit record is fenced too
+        fence.arm(Path(args.run_dir), launch.token)
     guard = arm_startup_guard(args.config_file, args.run_dir, launch.token)
 
     from nanotron_recover.config import ConfigError

@@ -88,6 +88,9 @@ def test_every_bound_stays_under_the_replicas_own_torch_timeout() -> None:
     assert HangPolicy.of(SimpleNamespace(**{**vars(ft), "hang_timeout_s": 300.0})).timeout_s == ceiling
     for where in ("snapshot", Phase.METRICS_IO, Phase.REPLICA_BUILD, "forward"):
         assert policy.silence_limit_s(where) <= ceiling, where
+    short = HangPolicy.of(SimpleNamespace(**{**vars(ft), "hang_timeout_s": 5.0}))
+    for where in ("snapshot", Phase.METRICS_IO, Phase.REPLICA_BUILD, "forward"):  # silence: frozen, wherever
+        assert short.silence_limit_s(where) == 5.0, where
     assert policy.busy_limit_s("snapshot") == 600.0  # busy (its heartbeats still come): the allowance stays
     assert policy.silence_limit_s("checkpoint") == 600.0
 

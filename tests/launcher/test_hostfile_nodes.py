@@ -7,6 +7,7 @@ node is really cut off is in ``tests/testbed/test_isolated_nodes.py``.
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -34,6 +35,35 @@ def test_the_agent_is_what_mpirun_is_told_else_the_environment_else_ssh():
     assert ssh_agent(["--mca", "plm_rsh_agent", "rsh"], {"PRTE_MCA_plm_ssh_agent": "other"}) == ["rsh"]
     assert ssh_agent([], {"PRTE_MCA_plm_ssh_agent": "/opt/ssh2"}) == ["/opt/ssh2"]
     assert ssh_agent(["--mca", "btl", "tcp,self"], {}) == ["ssh"]
+
+
+def test_a_list_of_agents_gives_the_first_installed_one_as_prrte_picks_it():
+    assert ssh_agent([], {"PRTE_MCA_plm_ssh_agent": "no-such-agent-here : sh -x"}) == ["sh", "-x"]
+    assert ssh_agent(["--prtemca", "plm_ssh_agent", "ssh : rsh"], {})[0] in ("ssh", "rsh")
+
+
+def test_the_launchers_own_node_is_found_by_its_short_name_and_never_asked(tmp_path):
+    here = socket.gethostname().split(".")[0]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{here}.cluster.example slots=2\nn2 slots=2\n")
+    nodes = HostfileNodes.from_environment(str(hostfile), ["--prtemca", "plm_ssh_agent", str(_agent(tmp_path))],
+                                           {"NANOTRON_RECOVER_NODE_PROBE_S": "1"})
+    assert nodes is not None and nodes.batch_node == f"{here}.cluster.example"
+    assert [n.name for n in nodes.answering(nodes.nodes)] == [f"{here}.cluster.example"]  # n2 refuses
+    assert (tmp_path / "asked").read_text().split() == ["n2", "true"]
+
+
+def test_only_ssh_is_given_ssh_options(tmp_path):
+    nodes = HostfileNodes([Node("n1", 2), Node("n2", 2)], [str(_agent(tmp_path))], probe_timeout_s=2)
+    assert nodes.answers("n1")
+    assert (tmp_path / "asked").read_text() == "n1 true\n"
+    fake_ssh = tmp_path / "bin" / "ssh"
+    fake_ssh.parent.mkdir()
+    fake_ssh.write_text('#!/usr/bin/env bash\necho "$@" > "$(dirname "$0")/args"\n')
+    fake_ssh.chmod(0o755)
+    assert HostfileNodes([Node("n1", 2)], [str(fake_ssh)], probe_timeout_s=3).answers("n1")
+    assert (fake_ssh.parent / "args").read_text().split() == ["-o", "BatchMode=yes", "-o", "ConnectTimeout=2",
+                                                              "n1", "true"]
 
 
 def test_a_hostfile_of_one_node_or_without_slots_has_no_nodes_to_fit(tmp_path):

@@ -115,3 +115,22 @@ def test_the_audit_names_what_a_replaced_launch_wrote(tmp_path):
         "a line of launch aaaa at 203.000, while launch bbbb owned the folder: hang_detected",
         "rank-3-step-1.txt, written at 203.000 by no rank of launch bbbb",
         "an exit record of rank 3 among launch 2's (2 ranks)"]
+
+
+def test_the_startup_watchdog_writes_no_exit_record_for_a_replaced_launch(tmp_path):
+    """The start-up watchdog (forked before MPI, after the fence is armed) records a rank's timeout unless its launch
+    was replaced."""
+    from nanotron_recover.process.watchdog import _write_exit_record
+
+    path = tmp_path / "exits" / "rank-5.json"
+    begin_launch(tmp_path, {"token": "aaaa"})
+    try:
+        fence.arm(tmp_path, "aaaa")
+        _write_exit_record(path, "start-up timeout")
+        assert read_exits(tmp_path)[5]["reason"] == "start-up timeout"
+        path.unlink()
+        begin_launch(tmp_path, {"token": "bbbb"})
+        _write_exit_record(path, "start-up timeout")
+        assert not path.exists()
+    finally:
+        fence.disarm()

@@ -37,26 +37,40 @@ def test_a_zombie_is_gone_before_it_is_reaped_and_after() -> None:
     assert proc_stat(pid) is None and process_is_gone(pid)
 
 
-def _can_unshare_pid() -> bool:
+def _can_unshare() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+        ["unshare", "--pid", "--uts", "--fork", "true"], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _can_unshare_pid(), reason="needs unshare of a pid namespace (root)")
-def test_a_process_of_another_pid_namespace_is_not_on_this_node():
-    """An isolated test-bed node's processes are seen in the host's /proc, but are another node's."""
-    inner = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "30"])
+def _child_in(namespaces: list[str]) -> tuple[subprocess.Popen, int]:
+    """``unshare NAMESPACES --fork sleep``: the unshare process and its forked child (inside the new namespaces)."""
+    inner = subprocess.Popen(["unshare", *namespaces, "--fork", "sleep", "30"])
+    deadline = time.monotonic() + 10
+    child = None
+    while child is None and time.monotonic() < deadline:
+        child = next((int(p) for p in os.listdir("/proc") if p.isdigit()
+                      and (proc_stat(int(p)) or (0,))[0] == inner.pid), None)
+        time.sleep(0.01)
+    assert child is not None
+    return inner, child
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs unshare of pid and UTS namespaces (root)")
+def test_a_process_of_another_node_is_told_from_a_container_on_this_one():
+    """An isolated test-bed node (its own pid and UTS namespaces) is another node, though the host's /proc shows its
+    processes; a process in a pid namespace of its own that keeps this node's host name is a container here."""
+    inner, child = _child_in(["--pid", "--uts"])
     try:
-        deadline = time.monotonic() + 10
-        child = None
-        while child is None and time.monotonic() < deadline:
-            child = next((int(p) for p in os.listdir("/proc") if p.isdigit()
-                          and (proc_stat(int(p)) or (0,))[0] == inner.pid), None)
-            time.sleep(0.01)
-        assert child is not None
         assert in_my_pid_namespace(inner.pid)  # unshare itself stays in ours; its forked child is pid 1 of the new
         assert not in_my_pid_namespace(child)
         assert in_my_pid_namespace(os.getpid())
     finally:
         inner.kill()
         inner.wait()
+    inner, child = _child_in(["--pid"])
+    try:
+        assert in_my_pid_namespace(child)
+    finally:
+        inner.kill()
+        inner.wait()
+

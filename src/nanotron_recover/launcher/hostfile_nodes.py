@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -28,14 +29,20 @@ AGENT_ENV = ("PRTE_MCA_plm_ssh_agent", "OMPI_MCA_plm_rsh_agent", "PRTE_MCA_plm_r
 
 def ssh_agent(mpirun_args: Sequence[str], environ: Mapping[str, str]) -> list[str]:
     """The command ``mpirun`` reaches a node with: ``--prtemca/--mca plm_ssh_agent X`` in its arguments, else the
-    environment's setting, else ``ssh``."""
+    environment's setting, else ``ssh``. A list of choices (``ssh : rsh``, PRRTE's own default form) gives the
+    first one installed, as PRRTE picks it."""
+    said = None
     for i, arg in enumerate(mpirun_args[:-2]):
         if arg in ("--prtemca", "--mca", "-mca", "--prte-mca") and mpirun_args[i + 1] in AGENT_PARAMETERS:
-            return shlex.split(mpirun_args[i + 2])
-    for name in AGENT_ENV:
-        if environ.get(name):
-            return shlex.split(environ[name])
-    return ["ssh"]
+            said = mpirun_args[i + 2]
+            break
+    said = said or next((environ[name] for name in AGENT_ENV if environ.get(name)), None) or "ssh"
+    choices = [shlex.split(choice) for choice in said.split(":") if choice.strip()]
+    return next((c for c in choices if shutil.which(c[0])), choices[0] if choices else ["ssh"])
+
+
+def short_name(host: str) -> str:
+    return host.split(".")[0] if not host.replace(".", "").isdigit() else host
 
 
 @dataclass
@@ -55,8 +62,8 @@ class HostfileNodes:
         found = hostfile_slots(hostfile) if os.path.isfile(hostfile) else None
         if found is None or len(found[0]) < 2:
             return None
-        here = {socket.gethostname(), socket.gethostname().split(".")[0], "localhost"}
-        batch = next((name for name in found[0] if name in here), "")
+        here = {short_name(socket.gethostname()), "localhost"}
+        batch = next((name for name in found[0] if short_name(name) in here), "")
         timeout = float(env.get(PROBE_TIMEOUT_S_ENV) or PROBE_TIMEOUT_S)
         return cls([Node(n, s) for n, s in zip(*found)], ssh_agent(mpirun_args, env), batch, timeout)
 
@@ -67,9 +74,12 @@ class HostfileNodes:
         return ask_nodes(nodes, self.batch_node, self.answers)
 
     def answers(self, node: str) -> bool:
-        """``AGENT NODE true`` within the probe timeout (ssh without questions, its own connect timeout below it)."""
+        """``AGENT NODE true`` within the probe timeout (ssh: without questions, its own connect timeout below it;
+        ``plm_ssh_args`` such as a port or a key are not passed: a node that needs them is asked without)."""
         connect_s = max(1, int(self.probe_timeout_s) - 1)
-        cmd = [*self.agent, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_s}", node, "true"]
+        asks_no_questions = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_s}"] \
+            if os.path.basename(self.agent[0]) == "ssh" else []  # ssh's own options; another agent gets none
+        cmd = [*self.agent, *asks_no_questions, node, "true"]
         try:
             return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   timeout=self.probe_timeout_s, start_new_session=True).returncode == 0

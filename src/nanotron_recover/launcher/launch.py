@@ -197,6 +197,8 @@ def _node_fit(args: argparse.Namespace, cmd: list[str], config: "RecoverConfig",
     if not config.ft_enabled:
         return None
     hostfile = os.environ.get(HOSTFILE_ENV)
+    if hostfile and os.environ.get("SLURM_JOB_ID"):
+        return None  # in an allocation PRRTE starts its daemons with srun, not ssh: no probe that says the same
     if hostfile:
         allocation = HostfileNodes.from_environment(hostfile, shlex.split(os.environ.get(MPIRUN_ARGS_ENV, "")))
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -157,7 +158,10 @@ class Standby:
         (self.folder / CANCEL).touch()
         # nothing of a standby needs saving: its mpirun gets a short while to end its ranks, then SIGKILL (one still
         # starting a daemon on a node that does not answer holds SIGHUP until ssh gives up: seen 10 s on the bed)
-        self.job.end(timeout_s=CANCEL_WAIT_S)
+        try:
+            self.job.end(timeout_s=CANCEL_WAIT_S)
+        except subprocess.TimeoutExpired:  # SIGKILLed and still not reaped (uninterruptible I/O): it goes on its own
+            pass
         self.remove()
 
     def remove(self) -> None:

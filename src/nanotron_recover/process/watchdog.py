@@ -102,8 +102,11 @@ def arm_exit_deadline(timeout_s: float, pid: int | None = None) -> None:
 
 
 def _write_exit_record(path: Path, reason: str) -> None:
+    from nanotron_recover.run import fence
     from nanotron_recover.run.exit_codes import EXIT_RESTART
 
+    if fence.replaced_by() is not None:  # the rank's launch was replaced: its record would land in the new one's
+        return
     try:
         rank = int(path.stem.split("-")[-1])
         write_json_atomically(path, {"rank": rank, "code": EXIT_RESTART, "reason": reason})

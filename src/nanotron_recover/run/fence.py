@@ -14,7 +14,10 @@ its ranks start or its standby is released), and every write of a rank to shared
 half-written and no exit record. One small file read per write (a metrics line per step), no lock and no clock: the
 launcher writes the file only between launches.
 
-A rank started by hand (no launcher, token ``"0"``) is never armed and never fenced.
+A rank started by hand (no launcher, token ``"0"``) is never armed and never fenced. A read of the file that fails
+(the shared file system unreachable) lets the write through: a hiccup must not end a live rank, a rank cut off from
+the shared file system cannot write to it either, and its node-local snapshot is no newer than the survivors' (it
+commits no step without them).
 """
 
 from __future__ import annotations

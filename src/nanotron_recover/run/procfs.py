@@ -28,10 +28,12 @@ def process_is_gone(pid: int) -> bool:
 
 
 def in_my_pid_namespace(pid: int) -> bool:
-    """``pid`` lives in this process's pid namespace: on this node. A machine's processes share one (a container's
-    are its node's own); a test bed's isolated nodes each have theirs, and the host that runs them sees every node's
-    processes in ``/proc``, which no launcher on a real node could."""
+    """``pid`` runs on this node, as far as ``/proc`` can tell: in this process's pid namespace, or in another one
+    with this node's host name (a container on this node, ``apptainer --pid``). A test bed's isolated nodes each
+    have a pid and a UTS namespace of their own, and the host that runs them sees every node's processes in
+    ``/proc``, which no launcher on a real node could."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+        return any(os.readlink(f"/proc/{pid}/ns/{kind}") == os.readlink(f"/proc/self/ns/{kind}")
+                   for kind in ("pid", "uts"))
     except OSError:  # gone, or not ours to inspect (another user's): not known to be elsewhere
         return True

@@ -184,6 +184,10 @@ def _claim_bridge() -> tuple[int, str]:
     for bed_id in range(1, MAX_BEDS + 1):
         bridge = f"nrbr{bed_id}"
         if _run("ip", "link", "add", bridge, "type", "bridge", check=False).returncode == 0:
+            # a MAC of its own: a bridge without one takes its lowest port's, and a lost node's veth taking it away
+            # changed the host's address under the other nodes' ARP caches (their SYNs to mpirun dropped for up
+            # to a minute: a relaunch after a node loss started 70 s late)
+            _run("ip", "link", "set", bridge, "address", "02:00:0a:d5:%02x:fe" % bed_id)
             _run("ip", "addr", "add", f"{SUBNET}.{bed_id}.{HOST_OCTET}/24", "dev", bridge)
             _run("ip", "link", "set", bridge, "up")
             return bed_id, bridge

@@ -199,6 +199,7 @@ class CheckpointManager:
         rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``)."""
         if not writer:
             return
+        fence.guard(f"checkpoint {step}")  # before _saved_already, which may move latest.txt or set a folder aside
         tmp = self.root / f"{TMP_PREFIX}{step}-{self.launch_token}-e{(extra_state or {}).get('epoch', 0)}"
         if self._saved_already(step, publisher):
             return

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from nanotron_recover.run import fence
 from nanotron_recover.run.exit_codes import NeedsPerson
 from nanotron_recover.run.run_folder import LATEST_FILE, fsync_dir, latest_step, write_atomically
 from nanotron_recover.training.checkpoint_integrity import (
@@ -154,6 +155,7 @@ def settle_root(root: Path, choice: ResumeChoice, say: Callable[[str], None]) ->
     """One rank, after the agreement: say what was found, set folders of the run's own root aside (rolled back by
     hand: always; damaged: once an intact one was found), point ``latest.txt`` at the choice (a folder adopted past
     the pointer, or an older intact one), and then clear the publish markers up to it."""
+    fence.guard("the checkpoints' pointer")
     for line in choice.damaged:
         say(f"damaged checkpoint: {line}")
     _set_aside_rolled_back(root, choice.rolled_back, say)

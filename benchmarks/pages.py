@@ -222,8 +222,7 @@ ROWS: tuple[Row, ...] = (
         "{partition_frozen_fault_to_next_launch_step_s:.1f} s (warm: {partition_frozen_warm}); fenced writes "
         "{partition_frozen_fenced_writes}",
         "seconds: the old job's end (first) or the fault (others) to the next launch's first step; warm: each "
-        "relaunch (the last a regrow); every scenario exit 0, M every step, the failure-free losses; the 71 s is an "
-        "unexplained stall of the bed's network (see the section)"),
+        "relaunch (the last a regrow); every scenario exit 0, M every step, the failure-free losses"),
     Row("fault_campaign", "randomized fault campaign: trials; failures; stalls; false kills",
         "{trials}; {failures}; {stalls}; {false_kills}", "every trial's invariants checked (`benchmarks/"
         "fault_campaign.py`'s doc); seed {seed}"),

@@ -46,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest (the tiny config)
 
 from benchmarks.lib.record import write_record  # noqa: E402
-from nanotron_recover.launcher.runs import run_training, write_config  # noqa: E402
+from nanotron_recover.launcher.runs import environ_of, run_training, write_config  # noqa: E402
 from nanotron_recover.run.fence_audit import writes_after_replacement  # noqa: E402
+from nanotron_recover.run.procfs import proc_stat  # noqa: E402
 from nanotron_recover.run.run_folder import (  # noqa: E402
     read_launches,
     read_metrics,
@@ -69,27 +70,12 @@ def _config(steps: int) -> dict:
                                              "collective_timeout_s": HANG_S + 20, "local_snapshot_interval": 1})
 
 
-def _environ(pid: int) -> list[bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _job_on(bed: iso.Bed, node: str, token: str) -> list[int]:
     """The ranks of launch ``token`` in ``node`` and their daemon (host pids)."""
-    ranks = [p for p in iso.node_pids(bed.nodes[node]) if TOKEN_ENV + token.encode() in _environ(p)
-             and any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in _environ(p))]
-    return sorted(set(ranks) | {_parent(p) for p in ranks} - {0})
+    environs = {p: environ_of(p) or [] for p in iso.node_pids(bed.nodes[node])}
+    ranks = [p for p, env in environs.items() if TOKEN_ENV + token.encode() in env
+             and any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in env)]
+    return sorted(set(ranks) | {(proc_stat(p) or (0,))[0] for p in ranks} - {0})
 
 
 class Scenario:
@@ -150,15 +136,19 @@ def warm_relaunch(s: Scenario) -> bool:
     return True
 
 
-def node_lost_regrow(s: Scenario) -> bool:
-    if s.fault_at is None:
-        if not _once_ready()(s):
-            return False
-        record_external_fault(s.run_dir, "lose-node-n2")
+def _fault_once(s: Scenario, ready: bool, name: str, act: Callable[[], None]) -> bool:
+    """Act out the fault ``name`` the first time ``ready`` holds (recorded first, its time kept); -> whether it has
+    happened by now."""
+    if s.fault_at is None and ready:
+        record_external_fault(s.run_dir, name)
         s.fault_at = time.time()
-        iso.kill_node(s.bed, "n2")
-        return False
-    if time.time() - s.fault_at < NODE_BACK_S:
+        act()
+    return s.fault_at is not None
+
+
+def node_lost_regrow(s: Scenario) -> bool:
+    if not _fault_once(s, _once_ready()(s), "lose-node-n2",
+                       lambda: iso.kill_node(s.bed, "n2")) or time.time() - s.fault_at < NODE_BACK_S:
         return False
     iso.start_node(s.bed, "n2")
     s.notes["node_back_after_s"] = round(time.time() - s.fault_at, 2)
@@ -166,33 +156,25 @@ def node_lost_regrow(s: Scenario) -> bool:
 
 
 def partition(s: Scenario) -> bool:
-    if s.fault_at is None:
-        if len(s.steps()) < 10:
-            return False
-        record_external_fault(s.run_dir, "partition-n2")
-        s.fault_at = time.time()
-        iso.partition(s.bed, "n2")
-        return False
-    if time.time() - s.fault_at < 2 * HANG_S:
+    if not _fault_once(s, len(s.steps()) >= 10, "partition-n2", lambda: iso.partition(s.bed, "n2")) \
+            or time.time() - s.fault_at < 2 * HANG_S:
         return False
     iso.partition(s.bed, "n2", connected=True)
     s.notes["partitioned_s"] = round(time.time() - s.fault_at, 2)
     return True
 
 
+def _cut_and_freeze(s: Scenario) -> None:
+    iso.partition(s.bed, "n2")
+    s.notes["frozen"] = [p for p in iso.node_pids(s.bed.nodes["n2"]) if p != s.bed.nodes["n2"].init]
+    for pid in s.notes["frozen"]:
+        os.kill(pid, signal.SIGSTOP)
+    s.notes["cut_after_step"] = s.steps()[-1]["step"]
+
+
 def partition_frozen(s: Scenario) -> bool:
-    if s.fault_at is None:
-        if len(s.steps()) < 10:
-            return False
-        record_external_fault(s.run_dir, "partition-and-freeze-n2")
-        s.fault_at = time.time()
-        iso.partition(s.bed, "n2")
-        s.notes["frozen"] = [p for p in iso.node_pids(s.bed.nodes["n2"]) if p != s.bed.nodes["n2"].init]
-        for pid in s.notes["frozen"]:
-            os.kill(pid, signal.SIGSTOP)
-        s.notes["cut_after_step"] = s.steps()[-1]["step"]
-        return False
-    if len(read_launches(s.run_dir)) < 2 or len(s.steps()) < s.notes["cut_after_step"] + 15:
+    if not _fault_once(s, len(s.steps()) >= 10, "partition-and-freeze-n2", lambda: _cut_and_freeze(s)) \
+            or len(read_launches(s.run_dir)) < 2 or len(s.steps()) < s.notes["cut_after_step"] + 15:
         return False
     iso.partition(s.bed, "n2", connected=True)
     for pid in s.notes.pop("frozen"):

@@ -242,7 +242,6 @@ class CheckpointManager:
     def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
                            publisher: bool, extra_state: dict | None, fault_point: Callable[[str], None]) -> None:
         final = self.root / str(step)
-        fence.guard(f"checkpoint {step}")
         if publisher:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed writers' (the run folder's lock is ours)

@@ -67,6 +67,7 @@ def test_fault_tolerance_disabled_is_the_stock_path():
         ({"inject": [{"step": 2, "replica": 5}]}, "fault_tolerance.inject[0].replica"),
         ({"inject": [{"step": 2, "replica": 0, "rank": 1}]}, "fault_tolerance.inject[0].rank"),
         ({"inject": [{"step": 3, "replica": 0, "phase": "checkpoint"}]}, "fault_tolerance.inject[0].step"),
+        ({"inject": [{"step": 3, "replica": 0, "phase": "checkpoint-background"}]}, "fault_tolerance.inject[0].step"),
         ({"inject": [{"step": 2, "replica": 0}, {"step": 3, "replica": 1}]}, "kills every replica"),
         ({"replica": "zero3"}, "fault_tolerance.replica"),
         ({"replica": "fsdp"}, "fault_tolerance.fsdp_shard_size"),
@@ -284,3 +285,10 @@ def test_a_relaunch_on_fewer_replicas_drops_the_full_size_replica_weights():
     config = config_from_dict(raw)
     apply_replicas(config, 2)
     assert config.parallelism.dp == 2 and config.fault_tolerance.replica_weights is None
+
+
+def test_checkpoints_are_written_in_the_background_unless_asked_not_to(tiny_config):
+    raw = tiny_config(dp=2, steps=4, checkpoint_interval=2)
+    assert config_from_dict(raw).checkpoints.async_save is True
+    raw["checkpoints"]["async_save"] = False
+    assert config_from_dict(raw).checkpoints.async_save is False

@@ -17,7 +17,14 @@ from typing import Any, List, Optional, Union
 
 import dacite
 import yaml
-from nanotron.config import Config, DataArgs, LlamaConfig, PretrainDatasetsArgs, get_config_from_dict
+from nanotron.config import (
+    CheckpointsArgs,
+    Config,
+    DataArgs,
+    LlamaConfig,
+    PretrainDatasetsArgs,
+    get_config_from_dict,
+)
 from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
 
 from nanotron_recover.process.inject import FailureSpec
@@ -187,7 +194,23 @@ class RecoverDataArgs(DataArgs):
 
 
 @dataclass
+class RecoverCheckpointsArgs(CheckpointsArgs):
+    """nanotron's ``checkpoints:`` section, plus ``async_save``.
+
+    async_save: a checkpoint step copies the committed state to host memory and the training goes on while a
+        background thread per writing rank writes it (nanotron's format, the same files as a save in the step);
+        the folder is published (manifest, rename, ``latest.txt``) once every writer is done. At most one save is
+        in flight: the next checkpoint step, a graceful stop and the run's end wait for it. Default true (where the
+        host has room for the copy; else the save is written in the step, said in the log). The final save and a
+        graceful stop's save are written in the step. The stock path always saves in the step, as nanotron does.
+    """
+
+    async_save: bool = True
+
+
+@dataclass
 class RecoverConfig(Config):
+    checkpoints: Optional[RecoverCheckpointsArgs] = None
     data: Optional[RecoverDataArgs] = None
     fault_tolerance: Optional[FaultToleranceArgs] = None
 
@@ -429,9 +452,9 @@ def _validate_inject(config: RecoverConfig) -> None:
                f"(dp + spare_replicas{', + formed replicas' if ft.recycle else ''})")
         _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
                f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (ranks per replica)")
-        if inj.phase == "checkpoint":
+        if inj.phase in ("checkpoint", "checkpoint-background"):  # the others: in a final or a fallback save too
             _check(config.checkpoints is not None and inj.step % config.checkpoints.checkpoint_interval == 0,
-                   f"{key}.step", "a 'checkpoint' failure needs a step at which a checkpoint is saved")
+                   f"{key}.step", f"a '{inj.phase}' failure needs a step at which a checkpoint is saved")
     if ft.enabled and ft.inject:
         # a startup fault ends the job; with recycling, a formed replica's id names no launched replica
         killed = {inj.replica for inj in ft.inject

@@ -20,9 +20,11 @@ TOL = 1e-5
 
 
 def save_config(tiny_config, inject: list[dict], pp: int = 1) -> dict:
-    return tiny_config(dp=3, tp=2 // pp, pp=pp, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=EVERY,
-                       fault_tolerance={"enabled": True, "recycle": pp == 1, "reduce_bucket_mb": 0.01,
-                                        "local_snapshot_interval": 0, "inject": inject})
+    raw = tiny_config(dp=3, tp=2 // pp, pp=pp, accumulation=2, steps=STEPS, layers=2, checkpoint_interval=EVERY,
+                      fault_tolerance={"enabled": True, "recycle": pp == 1, "reduce_bucket_mb": 0.01,
+                                       "local_snapshot_interval": 0, "inject": inject})
+    raw["checkpoints"]["async_save"] = False  # the save in the step (background saves: test_background_checkpoint)
+    return raw
 
 
 _REFERENCE: dict = {}

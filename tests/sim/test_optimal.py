@@ -5,7 +5,7 @@ import pytest
 from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.engine import simulate
-from nanotron_recover.sim.optimal import interval_steps, recommend, rollback_mtbf_s, young_daly_s
+from nanotron_recover.sim.optimal import interval_steps, recommend, recover_interval_s, rollback_mtbf_s, young_daly_s
 from nanotron_recover.sim.params import Params
 
 
@@ -40,3 +40,26 @@ def test_recommendation_is_at_least_as_good_as_the_defaults():
     default = simulate(c, P.recover_spares(rec.checkpoint_interval, 0, 1), p, horizon_s=5 * 86400.0, seed=0).ettr
     assert rec.ettr >= default - 1e-12
     assert 0 <= rec.spare_replicas < c.slots and 1 <= rec.min_replicas <= c.slots - rec.spare_replicas
+
+
+def test_a_background_save_stalls_recover_only_for_its_host_copy():
+    p = Params(state_gb_per_rank=10.0, host_copy_gb_per_s=20.0, ckpt_fixed_s=5.0, storage_gb_per_s=2.0)
+    assert p.ckpt_stall_s(True) == pytest.approx(0.5)
+    assert p.ckpt_stall_s(False) == pytest.approx(p.ckpt_save_s()) == pytest.approx(10.0)  # stock writes in the step
+    assert Params(ckpt_async=False).ckpt_stall_s(True) == pytest.approx(Params().ckpt_save_s())
+
+
+def test_recover_checkpoints_guard_only_against_losing_every_snapshot_at_once():
+    p = Params(state_gb_per_rank=10.0, host_copy_gb_per_s=20.0, all_snapshots_lost_hours=168.0)
+    assert recover_interval_s(p) == pytest.approx(young_daly_s(0.5, 168 * 3600.0))
+    capped = p.with_(ckpt_async=False, all_snapshots_lost_hours=10_000.0)  # long MTBF, slow saves: the cap decides
+    assert recover_interval_s(capped) == pytest.approx(capped.ckpt_max_interval_hours * 3600.0)
+    cheap = p.with_(state_gb_per_rank=0.0, ckpt_fixed_s=0.01)  # a save that costs nothing: the floor decides
+    assert recover_interval_s(cheap) == pytest.approx(cheap.ckpt_min_interval_s)
+    slow = p.with_(ckpt_fixed_s=1000.0)  # a write longer than the interval: the next save would wait for it
+    assert recover_interval_s(slow) == pytest.approx(slow.ckpt_save_s())
+    c = Cluster(8192, tp=8, pp=4)
+    step = p.step_s(p.accumulation, c.slots * c.ranks_per_replica, c.pp, recover=True)
+    assert interval_steps(c, p, in_place=True, recover_path=True) == max(1, round(recover_interval_s(p) / step))
+    # independent of the job's failure rate: node losses resume from snapshots
+    assert interval_steps(c, p.with_(job_mttf_hours=0.1), True, True) == interval_steps(c, p, True, True)

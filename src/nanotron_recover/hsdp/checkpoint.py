@@ -15,12 +15,14 @@ the format is readable without torch.distributed. A run resumes it with the same
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from nanotron_recover.nanotron_compat.frozen_state import host_copy, tensor_bytes
 from nanotron_recover.training.training_state import ensure_adam_state, local_tensor
 
 if TYPE_CHECKING:
@@ -44,29 +46,51 @@ class ShardedLayout:
         self.num_shards = num_shards
 
     def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
-        (folder / FOLDER).mkdir(exist_ok=True)
-        inner = trainer.optimizer.optimizer
         ensure_adam_state(trainer.optimizer)
-        payload = {
-            "model": {name: local_tensor(p.detach()).clone() for name, p in trainer.named_params},
+        payload = self._payload(trainer, lambda t: local_tensor(t).clone())
+        self._write(folder, payload, trainer.lr_scheduler.state_dict(), self._manifest(trainer, step))
+
+    def capture_bytes(self, trainer: "TrainingState") -> int:
+        ensure_adam_state(trainer.optimizer)
+        return tensor_bytes(self._payload(trainer, local_tensor))  # views, no copy
+
+    def capture(self, trainer: "TrainingState", step: int) -> tuple[Callable[[Path], None], int]:
+        ensure_adam_state(trainer.optimizer)
+        payload = self._payload(trainer, lambda t: host_copy(local_tensor(t)))
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)  # the pinned copies were queued without waiting
+        scheduler, manifest = copy.deepcopy(trainer.lr_scheduler.state_dict()), self._manifest(trainer, step)
+        return (lambda folder: self._write(folder, payload, scheduler, manifest)), tensor_bytes(payload)
+
+    @staticmethod
+    def _payload(trainer: "TrainingState", take: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        inner = trainer.optimizer.optimizer
+        return {
+            "model": {name: take(p.detach()) for name, p in trainer.named_params},
             "optimizer": {
-                name: {key: local_tensor(value).clone() for key, value in inner.state[p].items()}
-                for name, p in trainer.named_params
+                name: {key: take(value) for key, value in inner.state[p].items()} for name, p in trainer.named_params
             },
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
         }
+
+    def _manifest(self, trainer: "TrainingState", step: int) -> dict | None:
+        if self.shard != 0:
+            return None
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "fsdp_shard_size": self.num_shards,
+            "shard_dim": 0,
+            "step": step,
+            "params": {name: list(p.shape) for name, p in trainer.named_params},
+        }
+
+    def _write(self, folder: Path, payload: dict, scheduler: dict, manifest: dict | None) -> None:
+        (folder / FOLDER).mkdir(exist_ok=True)
         torch.save(payload, shard_file(folder, self.shard, self.num_shards))
-        if self.shard == 0:
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "fsdp_shard_size": self.num_shards,
-                "shard_dim": 0,
-                "step": step,
-                "params": {name: list(p.shape) for name, p in trainer.named_params},
-            }
+        if manifest is not None:  # shard 0 also writes the manifest and the scheduler
             (folder / FOLDER / "manifest.json").write_text(json.dumps(manifest, indent=2))
-            torch.save(trainer.lr_scheduler.state_dict(), folder / FOLDER / "lr_scheduler.pt")
+            torch.save(scheduler, folder / FOLDER / "lr_scheduler.pt")
 
     @torch.no_grad()
     def read(self, trainer: "TrainingState", folder: Path) -> None:

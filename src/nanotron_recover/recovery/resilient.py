@@ -32,6 +32,7 @@ from nanotron_recover.recovery.lifecycle import EntryHooks, LifecycleSettings, P
 from nanotron_recover.recovery.membership import Membership
 from nanotron_recover.recovery.state_transfer import activate_new_replicas
 from nanotron_recover.recovery.step_sums import StepStats
+from nanotron_recover.run.disk_space import is_disk_full
 from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.snapshots.local_snapshot import LocalSnapshots
@@ -196,12 +197,10 @@ class ResilientDataParallel(DataParallelStrategy):
                              nonfinite=self.step_stats.nonfinite(), stop=stop)
 
     def _plan(self, step: int) -> Plan:
-        """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did.
-
-        A replica that took a slot but does not hold the committed state yet (its activation is still pending,
-        e.g. after a death inside a checkpoint save) computes nothing: its slot's microbatches go to the holders,
-        so the step still commits M. Shrinking-batch baseline: the failure-free plan minus the slots that were lost.
-        """
+        """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did. A replica
+        that took a slot but does not hold the committed state yet (its activation is still pending, e.g. after a
+        death inside a checkpoint save) computes nothing: its slot's microbatches go to the holders, so the step
+        still commits M. Shrinking-batch baseline: the failure-free plan minus the slots that were lost."""
         slots = self.roster.active_slots()
         by_slot = plan_step(step, self.M, slots if self.keep_global_batch else range(self.config.parallelism.dp),
                             self.step_stats.slot_weights(self.roster, slots))  # None unless rebalancing
@@ -436,7 +435,9 @@ class ResilientDataParallel(DataParallelStrategy):
                 write(self.replica == writer_replica, lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
                       self.replica == writer_replica and self.local_rank == 0,
                       {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})})
-            except Exception:  # noqa: BLE001 - not pooled: join the survivors' repair (evicts this rank), or a bug
+            except Exception as e:  # noqa: BLE001 - not pooled: join the survivors' repair (evicts this rank), or a bug
+                if is_disk_full(e):  # this rank's own write, no repair to wait for (up to the hang timeout): exit 2 now
+                    raise
                 if self.formation.repairs_that_pooled_me(services, step) is None:
                     self.lifecycle.join_repair_after_error()
                     raise

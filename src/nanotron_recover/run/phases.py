@@ -35,6 +35,7 @@ class Phase(str, Enum):
     STARTUP = "startup"  # the fault schedule's start-up phase (with a point: ``startup:after_mpi_init``)
     CHECKPOINT_WRITE = "checkpoint-write"  # a writer's part of a save is written, before the writers' barrier
     CHECKPOINT_PUBLISH = "checkpoint-publish"  # the save's folder renamed into place, before latest.txt
+    CHECKPOINT_BACKGROUND = "checkpoint-background"  # a background save's part written, before it says it is done
 
     def __str__(self) -> str:
         return self.value
@@ -49,7 +50,7 @@ HEARTBEAT_ORDER: tuple[Phase, ...] = tuple(p for p in Phase if p is not Phase.ST
 FAULT_PHASES: tuple[Phase, ...] = (
     Phase.FORWARD, Phase.BACKWARD, Phase.REDUCE, Phase.OPTIMIZER, Phase.CHECKPOINT, Phase.DATALOAD, Phase.REPAIR,
     Phase.STARTUP, Phase.FORMING, Phase.RENDEZVOUS, Phase.FORMATION, Phase.TRANSFER, Phase.CHECKPOINT_WRITE,
-    Phase.CHECKPOINT_PUBLISH)
+    Phase.CHECKPOINT_PUBLISH, Phase.CHECKPOINT_BACKGROUND)
 # judged by the I/O allowance besides a checkpoint save: a node-local snapshot (its write waits for the previous
 # background write) takes as long as the store is slow, whatever the step time
 SLOW_IO_PHASES = frozenset({Phase.METRICS_IO, Phase.REPLICA_BUILD, Phase.SNAPSHOT})

@@ -439,7 +439,7 @@ def _handle(run: "_Run", what: str, target: float, sched: deque, policy: Policy,
     elif what == "ckpt":
         run.progress = run.next_ckpt
         run.next_ckpt += policy.checkpoint_interval or math.inf
-        run._push("save", p.ckpt_save_s(), run.job_procs())
+        run._push("save", p.ckpt_stall_s(policy.recover_path), run.job_procs())
     elif what == "sched":
         run.progress = max(run.progress, sched[0].step)
         run.scheduled_failure(sched.popleft())
@@ -451,5 +451,5 @@ def failure_free_rate(cluster: Cluster, policy: Policy, p: Params) -> float:
     step = p.step_s(p.accumulation, c.slots * c.ranks_per_replica, c.pp, recover=policy.recover_path)
     tokens = c.replicas * p.accumulation * p.tokens_per_microbatch
     k = policy.checkpoint_interval
-    per_step = step + (p.ckpt_save_s() / k if k else 0.0)
+    per_step = step + (p.ckpt_stall_s(policy.recover_path) / k if k else 0.0)
     return tokens / per_step

@@ -1,10 +1,9 @@
 """Checkpoint intervals (Young/Daly) and the search behind ``plan``'s recommendations.
 
 Young/Daly: the interval that minimises checkpoint cost + expected lost work is ``sqrt(2 * save_s * MTBF)``,
-where MTBF is the mean time between the failures that *roll back*: every failure for checkpoint-restart, only
-node losses for ReCoVer as coded (a process failure is recovered in-step, a requeue below ``min_replicas``
-checkpoints first), none for a policy that never rolls back (then the interval only bounds a disaster's loss:
-we use the node-loss MTBF as well).
+where MTBF is the mean time between the failures that *roll back to the checkpoint*: every failure for
+checkpoint-restart; for ReCoVer, whose relaunches resume from node-local snapshots of the committed step, only the
+loss of every copy at once (:func:`recover_interval_s`, with the cost a background save puts on the step).
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ from nanotron_recover.sim.cluster import Cluster
 from nanotron_recover.sim.engine import simulate
 from nanotron_recover.sim.params import Params
 
-__all__ = ["young_daly_s", "interval_steps", "rollback_mtbf_s", "Recommendation", "recommend", "run_policies"]
+__all__ = ["young_daly_s", "interval_steps", "recover_interval_s", "rollback_mtbf_s", "Recommendation", "recommend",
+           "run_policies"]
 
 
 def young_daly_s(save_s: float, mtbf_s: float) -> float:
@@ -35,10 +35,25 @@ def rollback_mtbf_s(cluster: Cluster, p: Params, in_place: bool) -> float:
     return mtbf / max(p.node_fraction, 1e-9) if in_place else mtbf
 
 
+def recover_interval_s(p: Params) -> float:
+    """ReCoVer's disk-checkpoint cadence, from what a relaunch reads. With node-local snapshots a relaunch resumes
+    from the committed step whenever one copy of it survives (a process or a node lost, a requeue), so the disk
+    checkpoint guards only against losing every copy at once (``all_snapshots_lost_hours``): Young/Daly on that
+    MTBF with what a save costs the step (``ckpt_stall_s``: the host copy of a background save), at least
+    ``ckpt_min_interval_s`` and one save's write (the next save never waits for the one in flight), at most
+    ``ckpt_max_interval_hours``."""
+    tau = young_daly_s(p.ckpt_stall_s(True), p.all_snapshots_lost_hours * 3600.0)
+    return min(max(tau, p.ckpt_min_interval_s, p.ckpt_save_s()), p.ckpt_max_interval_hours * 3600.0)
+
+
 def interval_steps(cluster: Cluster, p: Params, in_place: bool, recover_path: bool = False) -> int:
-    """Young/Daly's interval in whole steps (at least 1)."""
+    """The checkpoint interval in whole steps (at least 1): ReCoVer's cadence rule (:func:`recover_interval_s`),
+    else Young/Daly on the failures that roll back."""
     step = p.step_s(p.accumulation, cluster.slots * cluster.ranks_per_replica, cluster.pp, recover=recover_path)
-    tau = young_daly_s(p.ckpt_save_s(), rollback_mtbf_s(cluster, p, in_place))
+    if recover_path:
+        tau = recover_interval_s(p)
+    else:
+        tau = young_daly_s(p.ckpt_save_s(), rollback_mtbf_s(cluster, p, in_place))
     return max(1, round(tau / step))
 
 

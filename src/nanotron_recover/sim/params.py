@@ -15,6 +15,9 @@ The scaling models (how a cost measured on 8 processes grows to 100k GPUs) are e
 * restart of a job: ``restart_fixed_s + restart_per_node_s * nodes + ckpt_load_s`` (+ ``restart_per_process_s
   * processes`` where processes share devices, as on our 2-core CPU; the same for ``exit_s``).
 * checkpoint save / load: ``ckpt_fixed_s + state_gb_per_rank / storage_gb_per_s`` (ranks write in parallel).
+  A ReCoVer save in the background (``ckpt_async``, the default as coded) stalls the step only for the host copy:
+  ``state_gb_per_rank / host_copy_gb_per_s`` (``ckpt_stall_s``); a save before a planned stop, and stock's, are
+  written in the step.
 * state transfer to a spare: ``state_gb_per_rank / transfer_gb_per_s`` (ranks send in parallel).
 * a recycled replica's formation (world split, torch rendezvous, model build; the job waits at the step
   boundary): ``formation_s``, then the state transfer as for a spare.
@@ -88,6 +91,13 @@ class Params:
     # -- checkpoint-restart
     ckpt_fixed_s: float = 5.0
     storage_gb_per_s: float = 2.0  # per-rank checkpoint write / read bandwidth
+    ckpt_async: bool = True  # ReCoVer's periodic saves are written in the background (checkpoints.async_save)
+    host_copy_gb_per_s: float = 20.0  # per-rank copy of the state to pinned host memory (what an async save stalls)
+    # the disk checkpoint's cadence with node-local snapshots on (optimal.recover_interval_s): a relaunch reads it
+    # only when every copy of the committed state is lost at once
+    all_snapshots_lost_hours: float = 168.0
+    ckpt_max_interval_hours: float = 1.0  # at most this much training between two disk checkpoints
+    ckpt_min_interval_s: float = 60.0  # at least this long between two (and never less than one save's write)
     teardown_s: float = 30.0  # failure -> the job is gone (collective timeout, scheduler notices)
     restart_fixed_s: float = 120.0  # relaunch -> training again, without the per-node part and the load
     restart_per_process_s: float = 0.0  # shared devices only (a CPU): processes' imports compete for the cores
@@ -128,6 +138,13 @@ class Params:
 
     def ckpt_save_s(self) -> float:
         return self.ckpt_fixed_s + self.state_gb_per_rank / self.storage_gb_per_s
+
+    def ckpt_stall_s(self, recover_path: bool) -> float:
+        """What a periodic save costs the step: the host copy of a background save (ReCoVer with ``ckpt_async``), or
+        the whole write."""
+        if recover_path and self.ckpt_async:
+            return self.state_gb_per_rank / self.host_copy_gb_per_s
+        return self.ckpt_save_s()
 
     def ckpt_load_s(self) -> float:
         return self.ckpt_save_s()
@@ -187,6 +204,14 @@ _DEFAULT_SOURCES = {
     "regrow_replacement_hours": "assumption, None: as a crash's relaunch (replacement: a spare node in the "
                                 "allocation or the scheduler's swap, at once; else hw_repair_hours); 8 h: regrow "
                                 "only brings back what was repaired",
+    "host_copy_gb_per_s": "assumption: device to pinned host memory over PCIe Gen4/5, per GPU; measured on the "
+                          "2-core CPU: the stall of a background save (benchmarks/async_checkpoint.py)",
+    "all_snapshots_lost_hours": "assumption: every node-local copy of the committed state lost at once (a "
+                                "cluster-wide outage, the job's nodes all wiped): about once a week",
+    "ckpt_min_interval_s": "model choice: a save's files and metadata on shared storage at most once a minute; "
+                           "and the next save never waits for the one in flight (ckpt_save_s)",
+    "ckpt_max_interval_hours": "model choice: the most training a person accepts to redo after such a loss, and "
+                               "the age of the newest model on shared storage",
     "formation_s": "assumption: NCCL communicator set-up and model build of a new replica at scale; measured "
                    "0.111 s on the 2-core CPU (12 ranks, benchmarks/recycle_bench.py formed -> active, transfer "
                    "included)",
@@ -206,6 +231,8 @@ def describe(p: Params, gpus: int | None = None, pp: int = 1, gpus_per_node: int
         rows.append((f.name, f"{v:.4g}" if isinstance(v, float) else str(v), src))
     rows += [
         ("= ckpt_save_s", f"{p.ckpt_save_s():.4g}", "ckpt_fixed_s + state_gb_per_rank / storage_gb_per_s"),
+        ("= ckpt_stall_s (ReCoVer)", f"{p.ckpt_stall_s(True):.4g}",
+         "state_gb_per_rank / host_copy_gb_per_s (ckpt_async), else ckpt_save_s"),
         ("= transfer_s", f"{p.transfer_s():.4g}", "state_gb_per_rank / transfer_gb_per_s"),
     ]
     if gpus:

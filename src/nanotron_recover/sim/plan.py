@@ -2,7 +2,8 @@
 
 Prints, per policy, ETTR (useful tokens / tokens the whole cluster could train failure-free), tokens per
 GPU-hour, expected tokens lost per failure, and recommends ``spare_replicas``, ``min_replicas`` and the
-checkpoint interval (Young/Daly, ``sqrt(2 * save * MTBF)``), and whether to regrow (issue #40: back to full width
+checkpoint interval (:func:`~nanotron_recover.sim.optimal.recover_interval_s` for ReCoVer, Young/Daly for stock),
+and whether to regrow (issue #40: back to full width
 by a warm or cold relaunch at a step boundary when it pays, :mod:`.regrow`), with the numbers of that decision,
 followed by every parameter it used and its source.
 """
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 from nanotron_recover.sim import policies as P
 from nanotron_recover.sim.cluster import Cluster
-from nanotron_recover.sim.optimal import recommend, rollback_mtbf_s, run_policies, young_daly_s
+from nanotron_recover.sim.optimal import recommend, recover_interval_s, rollback_mtbf_s, run_policies, young_daly_s
 from nanotron_recover.sim.params import Params, describe
 from nanotron_recover.sim.regrow import at_first_loss
 
@@ -106,17 +107,24 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         lines.append(f"| {pol.name} | {r['ettr']:.3f} ({r['ettr_min']:.3f}-{r['ettr_max']:.3f}) | "
                      f"{r['tokens_per_gpu_hour']:.4g} | {r['tokens_lost_per_failure']:.4g} | {r['failures']:.0f} | "
                      f"{r['crashes']:.0f} / {r['requeues']:.0f} | {pol.note} |")
-    save = p.ckpt_save_s()
+    save, stall = p.ckpt_save_s(), p.ckpt_stall_s(True)
     recycle_wins = results["recover_recycle"]["ettr"] >= results["recover_spares"]["ettr"]
     tau_ckpt = young_daly_s(save, rollback_mtbf_s(cluster, p, False))
-    tau_rec = young_daly_s(save, rollback_mtbf_s(cluster, p, True))
+    tau_rec = recover_interval_s(p)
+    tau_yd = young_daly_s(stall, p.all_snapshots_lost_hours * 3600.0)
+    how = "background save: the host copy" if p.ckpt_async else "written in the step"
     lines += [
         "", "Recommended (ReCoVer as coded; searched over spares x min_replicas at the Young/Daly interval):",
         f"  fault_tolerance.spare_replicas: {rec.spare_replicas}",
         f"  fault_tolerance.min_replicas: {rec.min_replicas}   (of {cluster.slots - rec.spare_replicas} training "
         f"replicas; without spares: {rec0.min_replicas})",
-        f"  checkpoints.checkpoint_interval: {rec.checkpoint_interval}   (steps; Young/Daly sqrt(2 x {save:.3g} s x "
-        f"node-loss MTBF {rollback_mtbf_s(cluster, p, True) / 3600:.3g} h) = {tau_rec:.4g} s)",
+        f"  checkpoints.checkpoint_interval: {rec.checkpoint_interval}   (steps, {tau_rec:.4g} s. The rule: a "
+        "relaunch resumes from the node-local snapshots of the committed step while one copy survives, so the disk "
+        "checkpoint guards only against losing every copy at once; Young/Daly sqrt(2 x save's stall "
+        f"{stall:.3g} s ({how}) x all_snapshots_lost_hours {p.all_snapshots_lost_hours:.3g} h) = {tau_yd:.4g} s, "
+        f"at least ckpt_min_interval_s {p.ckpt_min_interval_s:.3g} s and one save's write {save:.3g} s, at most "
+        f"ckpt_max_interval_hours {p.ckpt_max_interval_hours:.3g} h)",
+        f"  checkpoints.async_save: {str(p.ckpt_async).lower()}",
         f"  stock checkpoint-restart: checkpoint_interval {rec.ckpt_restart_interval} steps (sqrt(2 x {save:.3g} s x "
         f"MTBF {mtbf_h:.3g} h) = {tau_ckpt:.4g} s)",
         f"  fault_tolerance.recycle: {str(recycle_wins).lower()}   (recover_recycle ETTR "

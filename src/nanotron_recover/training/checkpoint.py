@@ -4,37 +4,60 @@ What goes inside a checkpoint folder is a :class:`CheckpointLayout`: nanotron's 
 (:class:`NanotronLayout`), per-rank shard files for FSDP replicas (``nanotron_recover.hsdp.checkpoint``).
 ``trainer_state.json`` (written last) names the layout, the step and M.
 
-A save goes to a hidden temporary folder, every file is fsynced, the publisher seals the state file, marks the folder
-as publishing (:data:`PUBLISHING_MARKER`), renames it into place, replaces ``latest.txt`` (write temp file, fsync,
-``os.replace``) and then removes the marker. A process killed mid-save leaves the previous checkpoint and
-``latest.txt`` valid; one killed between the rename and the pointer leaves a marked folder that the relaunch adopts
-(:mod:`nanotron_recover.training.checkpoint_resume`). A relative ``checkpoints.checkpoints_path`` lives in the run dir.
+A save goes to a hidden temporary folder. Each writer writes its files into a part folder of its own, fsyncs them,
+moves them into the save's folder and records their checksums (``.writers/<id>.done``); in the background
+(``checkpoints.async_save``, :mod:`nanotron_recover.training.checkpoint_background`) a thread does this from a host
+copy of the state while training goes on. Once every writer is done the publisher seals the state file (the
+writers' checksums), marks the folder as publishing (:data:`PUBLISHING_MARKER`), renames it into place, replaces
+``latest.txt`` (write temp file, fsync, ``os.replace``; never to an older step) and then removes the marker. A
+process killed mid-save leaves the previous checkpoint and ``latest.txt`` valid; one killed between the rename and
+the pointer leaves a marked folder that the relaunch adopts (:mod:`nanotron_recover.training.checkpoint_resume`).
+A relative ``checkpoints.checkpoints_path`` lives in the run dir.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+import torch
 from nanotron.serialize import load_weights, save_meta, save_weights
 from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
 
 from nanotron_recover.config import RecoverConfig
+from nanotron_recover.nanotron_compat.frozen_state import (
+    FrozenModel,
+    FrozenOptimizer,
+    FrozenScheduler,
+    host_copy,
+    tensor_bytes,
+)
 from nanotron_recover.nanotron_compat.quiet_save import install_quiet_weight_save
 from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_check
 from nanotron_recover.run import fence
 from nanotron_recover.run.disk_space import DiskFull, is_disk_full, written_path
 from nanotron_recover.run.exit_codes import NeedsPerson
 from nanotron_recover.run.run_folder import fsync_dir, write_atomically
+from nanotron_recover.training.checkpoint_background import (
+    WRITERS,
+    BackgroundSave,
+    CapturedWrite,
+    announce_writer,
+    host_room_bytes,
+    wait_for_writers,
+    write_part,
+    writer_id,
+)
 from nanotron_recover.training.checkpoint_integrity import (
     CHECKSUM_KIND,
     FILES_KEY,
     PUBLISHING_MARKER,
     STATE_FILE,
-    manifest,
     sealed_state_text,
     verify_folder,
 )
@@ -54,6 +77,7 @@ from nanotron_recover.training.checkpoint_resume import (  # noqa: F401 - resolv
 )
 
 TMP_PREFIX = ".tmp-step-"
+ROOM_FACTOR = 1.25  # a background save's host copy needs this much more than its bytes free (the rest of the host)
 
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 install_quiet_weight_save()  # nanotron 0.4's save_weights draws a progress bar on every writing rank, every save
@@ -80,7 +104,14 @@ class CheckpointLayout(Protocol):
     """How model, optimizer and LR scheduler are laid out inside a checkpoint folder."""
 
     def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
-        """Collective over the writing replica's ranks; ``folder`` exists."""
+        """This rank's files of the live state (no collective); ``folder`` exists."""
+
+    def capture_bytes(self, trainer: "TrainingState") -> int:
+        """Bytes :meth:`capture` would copy (nothing is copied to tell)."""
+
+    def capture(self, trainer: "TrainingState", step: int) -> tuple[CapturedWrite, int]:
+        """A host copy of this rank's committed state, and the bytes it holds; the returned callable writes exactly
+        the files :meth:`write` writes, from the copy (in a background thread, while training goes on)."""
 
     def read(self, trainer: "TrainingState", folder: Path) -> None:
         """Load into this rank's model, optimizer and LR scheduler."""
@@ -90,10 +121,27 @@ class NanotronLayout:
     """nanotron 0.4's ``serialize`` format (weights as safetensors per TP/PP shard, optimizer, LR scheduler)."""
 
     def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
+        self._save(trainer, trainer.unwrapped_model, trainer.optimizer, trainer.lr_scheduler, folder, step)
+
+    def capture_bytes(self, trainer: "TrainingState") -> int:
+        return tensor_bytes([trainer.unwrapped_model.state_dict(), trainer.optimizer.state_dict()])
+
+    def capture(self, trainer: "TrainingState", step: int) -> tuple[CapturedWrite, int]:
+        weights = host_copy(trainer.unwrapped_model.state_dict())
+        optimizer = host_copy(trainer.optimizer.state_dict())
+        scheduler = copy.deepcopy(trainer.lr_scheduler.state_dict())
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)  # the pinned copies were queued without waiting
+        frozen = (FrozenModel(trainer.unwrapped_model, weights), FrozenOptimizer(trainer.optimizer, optimizer),
+                  FrozenScheduler(scheduler))
+        return (lambda folder: self._save(trainer, *frozen, folder, step)), tensor_bytes([weights, optimizer])
+
+    @staticmethod
+    def _save(trainer: "TrainingState", model: Any, optimizer: Any, scheduler: Any, folder: Path, step: int) -> None:
         pc = trainer.parallel_context
-        save_weights(trainer.unwrapped_model, pc, folder)
-        save_optimizer(trainer.optimizer, pc, folder)
-        save_lr_scheduler(trainer.lr_scheduler, pc, folder)
+        save_weights(model, pc, folder)
+        save_optimizer(optimizer, pc, folder)
+        save_lr_scheduler(scheduler, pc, folder)
         samples = step * trainer.M * trainer.config.tokens.micro_batch_size
         save_meta(pc, folder, {"last_train_step": step, "consumed_train_samples": samples})
 
@@ -176,6 +224,9 @@ class CheckpointManager:
         assert root is not None  # a run dir is given
         self.root = root
         self.resume_path = Path(args.resume_checkpoint_path) if args and args.resume_checkpoint_path else None
+        self.background = bool(getattr(args, "async_save", False))  # the strategy may still save in the step
+        self._pending: BackgroundSave | None = None
+        self._said_no_room = False
 
     def due(self, step: int) -> bool:
         return self.interval is not None and step % self.interval == 0
@@ -193,23 +244,108 @@ class CheckpointManager:
         publisher: bool,
         extra_state: dict | None = None,
         fault_point: Callable[[str], None] = lambda phase: None,
+        background: bool = False,
+        background_fault: Callable[[str], None] = lambda phase: None,
     ) -> None:
         """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place.
         ``fault_point(phase)``: progress and the fault schedule inside the save (``checkpoint-write`` once this
-        rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``)."""
+        rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``). ``background``: copy
+        the state and return; a thread writes it (:mod:`nanotron_recover.training.checkpoint_background`), where
+        ``background_fault`` gives the fault schedule its points (``checkpoint-background`` once the part is
+        written, ``checkpoint-publish``). At most one save is in flight: an earlier one is finished first."""
         if not writer:
             return
         fence.guard(f"checkpoint {step}")  # before _saved_already, which may move latest.txt or set a folder aside
-        tmp = self.root / f"{TMP_PREFIX}{step}-{self.launch_token}-e{(extra_state or {}).get('epoch', 0)}"
+        epoch = int((extra_state or {}).get("epoch", 0))
+        self.settle(epoch)  # every writer's earlier save finished (or given up): the leftovers below are dead
+        tmp = self.root / f"{TMP_PREFIX}{step}-{self.launch_token}-e{epoch}"
         if self._saved_already(step, publisher):
             return
+        me = writer_id()
         try:
-            self._write_and_publish(trainer, step, tmp, barrier, publisher, extra_state, fault_point)
+            captured = self._capture(trainer, step) if background else None
+            announce_writer(tmp, me)
+            barrier()  # every writer announced (and holds its copy): the publisher knows whom to wait for
+            if publisher:
+                for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed or given-up writers' (the lock is ours)
+                    if leftover != tmp:
+                        shutil.rmtree(leftover, ignore_errors=True)
+            if captured is not None:
+                work = self._background_work(captured, tmp, me, step, trainer.M, publisher, extra_state,
+                                             background_fault)
+                self._pending = BackgroundSave(step, epoch, tmp, work)
+                return
+            write_part(lambda folder: self.layout.write(trainer, folder, step), tmp, me)
+            fault_point("checkpoint-write")
+            barrier()  # every part written
+            if publisher:
+                files = wait_for_writers(tmp, threading.Event())  # done already: the barrier said so
+                assert files is not None
+                self._publish(tmp, step, trainer.M, extra_state, files, fault_point)
         except Exception as e:
             if not is_disk_full(e, self.root):
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays: it holds the space a person must free
-            raise DiskFull(written_path(e, tmp), e) from e
+            raise self._disk_full(e, tmp) from e
+
+    def _disk_full(self, error: BaseException, tmp: Path) -> DiskFull:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays: it holds the space a person must free
+        return DiskFull(written_path(error, tmp), error)
+
+    def _capture(self, trainer: "TrainingState", step: int) -> CapturedWrite | None:
+        """The host copy for a background write; None (write in the step) where the host has no room for it."""
+        need, room = self.layout.capture_bytes(trainer), host_room_bytes()
+        if room is not None and need * ROOM_FACTOR > room:
+            if not self._said_no_room:
+                print(f"[nanotron-recover] checkpoint {step}: written in the step, not in the background (its copy "
+                      f"needs {need / 2**20:.0f} MiB, {room / 2**20:.0f} MiB of host memory are available)", flush=True)
+                self._said_no_room = True
+            return None
+        captured, _ = self.layout.capture(trainer, step)
+        return captured
+
+    def _background_work(self, captured: CapturedWrite, tmp: Path, me: str, step: int, microbatches: int,
+                         publisher: bool, extra_state: dict | None,
+                         fault: Callable[[str], None]) -> Callable[[threading.Event], None]:
+        def work(given_up: threading.Event) -> None:
+            try:
+                write_part(captured, tmp, me, before_done=lambda: fault("checkpoint-background"))
+                if not publisher:
+                    return
+                files = wait_for_writers(tmp, given_up)
+                if files is not None:  # None: given up (the world changed); the folder is a leftover
+                    self._publish(tmp, step, microbatches, extra_state, files, fault)
+            except Exception as e:
+                if is_disk_full(e, self.root):  # at once: the partial folder holds the space that the run's next
+                    raise self._disk_full(e, tmp) from e  # write (a metrics line, an exit record) needs
+                raise
+        return work
+
+    def poll(self, epoch: int) -> None:
+        """At a step boundary: a save in flight is given up once the world changed (a new ``epoch``); one that
+        ended is cleared, and its error raised (a full disk ends the job as in the step)."""
+        pending = self._pending
+        if pending is None:
+            return
+        if epoch != pending.epoch:
+            pending.give_up()
+        if not pending.done():
+            return
+        self._pending = None
+        error = pending.error()
+        if error is not None:
+            raise error  # a full disk is a DiskFull already (its folder removed by the thread)
+
+    def settle(self, epoch: int) -> None:
+        """Wait for the save in flight (given up first if the world changed since it began), then :meth:`poll`."""
+        pending = self._pending
+        if pending is None:
+            return
+        if epoch != pending.epoch:
+            pending.give_up()
+        elif not pending.done():
+            print(f"[nanotron-recover] waiting for the background save of step {pending.step}", flush=True)
+        pending.wait()
+        self.poll(epoch)
 
     def _saved_already(self, step: int, publisher: bool) -> bool:
         """Whether ``root/step`` is this run's intact save of ``step`` (the fallback save right after an interval
@@ -239,29 +375,21 @@ class CheckpointManager:
             write_atomically(self.root / LATEST, f"{step}\n", durable=True)
         unmark_published(self.root, latest_step(self.root) or step)
 
-    def _write_and_publish(self, trainer: "TrainingState", step: int, tmp: Path, barrier: Callable[[], None],
-                           publisher: bool, extra_state: dict | None, fault_point: Callable[[str], None]) -> None:
+    def _publish(self, tmp: Path, step: int, microbatches: int, extra_state: dict | None,
+                 files: dict[str, dict], fault_point: Callable[[str], None]) -> None:
+        """Every writer is done (``files``: what they wrote, with checksums): seal the state, rename into place,
+        point ``latest.txt`` at it."""
         final = self.root / str(step)
-        if publisher:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed writers' (the run folder's lock is ours)
-                shutil.rmtree(leftover, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
-        self.layout.write(trainer, tmp, step)
-        fault_point("checkpoint-write")
-        barrier()  # every part written
-        if not publisher:
-            return
-        _fsync_tree(tmp)
+        shutil.rmtree(tmp / WRITERS, ignore_errors=True)
+        _fsync_tree(tmp)  # the writers' files are durable; the folders holding them, now
         state = {
             "step": step,
-            "microbatches_per_step": trainer.M,
+            "microbatches_per_step": microbatches,
             "dtype": dtype_name(self.config),
             **layout_state(self.config),
             **(extra_state or {}),
             "checksum": CHECKSUM_KIND,
-            FILES_KEY: manifest(tmp),  # read back from the page cache: the files just written
+            FILES_KEY: files,
         }
         write_atomically(tmp / STATE_FILE, sealed_state_text(state), durable=True)
         fence.guard(f"the publish of checkpoint {step}")  # the write took long: the launch may be another now
@@ -270,8 +398,7 @@ class CheckpointManager:
         os.replace(tmp, final)
         fsync_dir(self.root)
         fault_point("checkpoint-publish")
-        write_atomically(self.root / LATEST, f"{step}\n", durable=True)
-        unmark_published(self.root, step)
+        self._point_at(step)  # never back: a given-up save of an older step that still finished cannot win
 
     def choose(self, peers: StartupPeers) -> ResumeChoice:
         """Collective at start-up: the newest intact checkpoint (:mod:`nanotron_recover.training.checkpoint_resume`). An

@@ -114,6 +114,8 @@ class DataParallelStrategy(ABC):
     parallel_context: Any
     replica: int
     local_rank: int
+    # a checkpoint step may copy the state and write it in the background (``checkpoints.async_save``)
+    saves_in_background: bool = True
 
     @abstractmethod
     def attach_model(

@@ -46,6 +46,8 @@ from nanotron_recover.workload.planner import plan_step
 
 
 class StockDataParallel(DataParallelStrategy):
+    saves_in_background = False  # stock nanotron writes its checkpoints in the step: the baseline keeps doing so
+
     def __init__(self, config: RecoverConfig, timeout_s: float) -> None:
         par = config.parallelism
         self.config = config

@@ -264,7 +264,7 @@ class RecoverTrainer:
                                     "phases_s": STARTUP.phases_s()})
         total = self.config.tokens.train_steps
         tokens_per_microbatch = self.config.tokens.micro_batch_size * self.config.tokens.sequence_length
-        saved = None
+        saved, epoch = None, 0
         while self.step < total:
             step = self.step + 1
             t0 = time.perf_counter()
@@ -274,27 +274,33 @@ class RecoverTrainer:
             self.log_step(result, elapsed, result.microbatches * tokens_per_microbatch)
             if step == first_step:
                 self._log_training_state(step)  # after the first optimizer step: Adam's state exists
+            # a background save: ended (its error raised: after the step's line, since the step is committed), or
+            # given up
+            self.checkpoints.poll(result.epoch)
             if self.checkpoints.due(step):
                 self.dp.settle_snapshot()  # the step's snapshot whole before any checkpoint I/O: a failed save keeps it
                 self._at(Phase.CHECKPOINT)
-                self.save_checkpoint(step)
+                self.save_checkpoint(step, background=step < total)  # the last step's: written before the exit
                 saved = step
             if result.stop is not None:
-                self._stop(step, result.stop, saved == step)
+                self._stop(step, result.stop, saved == step, result.epoch)
+            epoch = result.epoch
         if self.config.saves_final_checkpoint and saved != self.step:
             # the trained model is the job's product: the launcher calls a run done only once it is on disk, so a
             # run killed in this save (or resumed at its last step from node-local snapshots) writes it here
             self.save_checkpoint(self.step)
+        self.checkpoints.settle(epoch)
         self.dp.finish(self.step, self.services)
         self.metrics.close()
 
-    def _stop(self, step: int, stop: StepStop, saved: bool) -> None:
+    def _stop(self, step: int, stop: StepStop, saved: bool, epoch: int) -> None:
         """``step`` is the job's last (a stop signal, or a regrow; every rank knows it in the same step). Its
         node-local snapshot is being written (and a checkpoint where the config asks): wait for it, then end."""
         self.dp.settle_snapshot()
         if self.dp.checkpoint_at_stop() and not saved:
             self._at(Phase.CHECKPOINT)
             self.save_checkpoint(step, extra_state={"stopped": stop.event})
+        self.checkpoints.settle(epoch)  # a background save of this step, or of an earlier one, is on disk
         if self.metrics.enabled:
             self.metrics.log_event({"event": stop.event, "step": step, "reason": stop.reason})
         raise StopRequested(stop.reason)
@@ -362,13 +368,17 @@ class RecoverTrainer:
         self.grad_norm = self._clip()
         self.optimizer.step()
 
-    def save_checkpoint(self, step: int, extra_state: dict | None = None) -> None:
-        """Save the committed state of ``step``; the strategy decides who writes and publishes."""
+    def save_checkpoint(self, step: int, extra_state: dict | None = None, background: bool = False) -> None:
+        """Save the committed state of ``step``; the strategy decides who writes and publishes. ``background``:
+        where the config and the strategy allow, the files are written while training goes on."""
         # a save may take up to startup_timeout_s (the hang monitor's allowance)
         self.dp.progress(step, Phase.CHECKPOINT)
+        background = background and self.checkpoints.background and self.dp.saves_in_background
+
         def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
             self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra,
-                                  fault_point=lambda phase: self._fault_point(step, phase))
+                                  fault_point=lambda phase: self._fault_point(step, phase), background=background,
+                                  background_fault=lambda phase: self.injector.maybe_fail(step, phase))
 
         self.dp.save_checkpoint(step, write, self.services, extra_state=extra_state)
 

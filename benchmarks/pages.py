@@ -40,6 +40,7 @@ SECTIONS = {
     "snapshot": "node-local-snapshots-issue-18",
     "relaunch": "relaunching-in-place-from-a-warm-standby-issue-45",
     "real_nodes": "isolated-nodes-issue-52",
+    "async_checkpoint": "checkpoints-written-in-the-background-issue-54",
     "recycle": "recycling-survivors-issue-15",
     "scale": "scale-the-failure-simulator-issue-17",
     "vs_torchft": "side-by-side-with-torchft-issue-25",
@@ -223,6 +224,10 @@ ROWS: tuple[Row, ...] = (
         "{partition_frozen_fenced_writes}",
         "seconds: the old job's end (first) or the fault (others) to the next launch's first step; warm: each "
         "relaunch (the last a regrow); every scenario exit 0, M every step, the failure-free losses"),
+    Row("async_checkpoint", "a checkpoint save in the step / in the background: the saving step over a plain one; "
+        "the step after a background save", "{sync_save_step_ratio:.2f} / **{async_save_step_ratio:.2f}**; "
+        "{async_next_step_ratio:.2f}", "stall per save {sync_stall_ms:.0f} / {async_stall_ms:.0f} ms, the "
+        "newest record's model (its args); the step after: the writer shares the 2 cores"),
     Row("fault_campaign", "randomized fault campaign: trials; failures; stalls; false kills",
         "{trials}; {failures}; {stalls}; {false_kills}", "every trial's invariants checked (`benchmarks/"
         "fault_campaign.py`'s doc); seed {seed}"),

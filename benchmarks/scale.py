@@ -53,7 +53,7 @@ def sweep(sizes: Sequence[int], tp: int, pp: int, p: Params, days: float, seeds:
         t0 = time.perf_counter()
         best = recommend(c, p, horizon, range(min(2, seeds)))
         plain = recommend(c, p, horizon, range(min(2, seeds)), spares=(0,))
-        policies = [P.ckpt_restart(best.ckpt_restart_interval), P.shrinking(best.checkpoint_interval, 1),
+        policies = [P.ckpt_restart(best.ckpt_restart_interval), P.shrinking(best.shrinking_interval, 1),
                     P.recover(best.checkpoint_interval, plain.min_replicas),
                     P.recover_regrow(best.checkpoint_interval, 1, warm=True),
                     P.recover_regrow(best.checkpoint_interval, 1, warm=False),

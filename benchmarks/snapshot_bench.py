@@ -72,8 +72,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     def config(interval: int, checkpoint_interval: int = 100000) -> dict:
         ft = {"enabled": True, "local_snapshot_interval": interval}  # the default folder: /dev/shm (memory)
-        return make_config(dp=args.dp, tp=args.tp, accumulation=args.accumulation, steps=args.steps, size=size,
-                           fault_tolerance=ft, checkpoint_interval=checkpoint_interval)
+        c = make_config(dp=args.dp, tp=args.tp, accumulation=args.accumulation, steps=args.steps, size=size,
+                        fault_tolerance=ft, checkpoint_interval=checkpoint_interval)
+        # the relaunch from disk is checkpoint-restart's: each checkpoint on disk when its step ends (a background
+        # save is on disk one write later, and a kill inside that write costs one interval more)
+        c["checkpoints"]["async_save"] = False
+        return c
 
     step_times, per_rank_bytes, loads = _interleaved_runs(config, args, out)
     medians = {name: median(times) for name, times in step_times.items()}

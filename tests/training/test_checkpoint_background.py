@@ -4,6 +4,7 @@ publisher's wait (for every announced writer; given up when the world changes) a
 from __future__ import annotations
 
 import errno
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -102,3 +103,27 @@ def test_every_writer_done_merges_their_files(tmp_path: Path, n: int) -> None:
     files = wait_for_writers(tmp_path, threading.Event())
     assert sorted(files) == [f"model/{i}.bin" for i in range(n)]
     assert [files[f"model/{i}.bin"]["bytes"] for i in range(n)] == [i + 1 for i in range(n)]
+
+
+def test_a_save_whose_folder_a_newer_save_removed_stops_waiting(tmp_path: Path) -> None:
+    announce_writer(tmp_path / "old", "dead")
+    found: list = []
+    waiter = threading.Thread(target=lambda: found.append(wait_for_writers(tmp_path / "old", threading.Event())))
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive()
+    shutil.rmtree(tmp_path / "old")  # the next save's publisher removes leftovers
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and found == [None]
+
+
+def test_a_wait_with_a_bound_returns_while_the_save_runs(tmp_path: Path) -> None:
+    release = threading.Event()
+    save = BackgroundSave(2, 0, tmp_path, lambda given_up: given_up.wait(10) or release.wait(10))
+    t0 = time.monotonic()
+    save.wait(0.2)
+    assert not save.done() and time.monotonic() - t0 < 2
+    save.give_up()
+    release.set()
+    save.wait()
+    assert save.done() and save.error() is None

@@ -50,10 +50,6 @@ class ShardedLayout:
         payload = self._payload(trainer, lambda t: local_tensor(t).clone())
         self._write(folder, payload, trainer.lr_scheduler.state_dict(), self._manifest(trainer, step))
 
-    def capture_bytes(self, trainer: "TrainingState") -> int:
-        ensure_adam_state(trainer.optimizer)
-        return tensor_bytes(self._payload(trainer, local_tensor))  # views, no copy
-
     def capture(self, trainer: "TrainingState", step: int) -> tuple[Callable[[Path], None], int]:
         ensure_adam_state(trainer.optimizer)
         payload = self._payload(trainer, lambda t: host_copy(local_tensor(t)))

@@ -202,7 +202,8 @@ class FailureInjector:
             self._poison = True
             return
         if spec.signal == "hang":
-            threading.Event().wait()  # the main thread never comes back; other threads keep running
+            threading.Event().wait()  # the calling thread never comes back (the main thread, or a background
+            # save's: then training goes on); the other threads keep running
         os.kill(os.getpid(), signal.SIGSTOP if spec.signal == "stop" else signal.SIGKILL)
         if spec.signal == "kill":
             time.sleep(60)  # SIGKILL is asynchronous in theory; never run on past the injection point

@@ -81,9 +81,10 @@ def run_policies(cluster: Cluster, p: Params, policies: Sequence[P.Policy], hori
 class Recommendation:
     spare_replicas: int
     min_replicas: int
-    checkpoint_interval: int  # for ReCoVer (node losses)
+    checkpoint_interval: int  # for ReCoVer (its cadence rule: recover_interval_s)
     ckpt_restart_interval: int  # for the stock path
     ettr: float
+    shrinking_interval: int = 1  # shrinking batch (no snapshots: Young/Daly on the node losses that roll it back)
 
 
 def _candidates(replicas: int) -> tuple[list[int], list[int]]:
@@ -101,6 +102,7 @@ def recommend(cluster: Cluster, p: Params, horizon_s: float, seeds: Sequence[int
     slots = cluster.slots
     k_rec = interval_steps(cluster, p, in_place=True, recover_path=True)
     k_ckpt = interval_steps(cluster, p, in_place=False)
+    k_shrink = interval_steps(cluster, p, in_place=True)
     best: Recommendation | None = None
     spares_c = list(spares) if spares is not None else _candidates(slots)[0]
     for n_spares in spares_c:
@@ -112,6 +114,6 @@ def recommend(cluster: Cluster, p: Params, horizon_s: float, seeds: Sequence[int
             pol = P.recover_spares(k_rec, n_spares, mn)
             e = statistics.fmean(simulate(cluster, pol, p, horizon_s=horizon_s, seed=s).ettr for s in seeds)
             if best is None or e > best.ettr + 1e-12:
-                best = Recommendation(n_spares, mn, k_rec, k_ckpt, e)
+                best = Recommendation(n_spares, mn, k_rec, k_ckpt, e, k_shrink)
     assert best is not None
     return best

@@ -87,7 +87,7 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
     rec0 = recommend(cluster, p, horizon, seed_list[:2] or [0], spares=(0,))
     policies = [
         P.ckpt_restart(rec.ckpt_restart_interval),
-        P.shrinking(rec.checkpoint_interval, 1),
+        P.shrinking(rec.shrinking_interval, 1),
         P.recover(rec.checkpoint_interval, rec0.min_replicas),
         P.recover_regrow(rec.checkpoint_interval, 1, warm=True),
         P.recover_regrow(rec.checkpoint_interval, 1, warm=False),

@@ -75,9 +75,11 @@ from nanotron_recover.training.checkpoint_resume import (  # noqa: F401 - resolv
     set_aside,
     unmark_published,
 )
+from nanotron_recover.training.training_state import local_tensor
 
 TMP_PREFIX = ".tmp-step-"
 ROOM_FACTOR = 1.25  # a background save's host copy needs this much more than its bytes free (the rest of the host)
+STATE_BYTES_PER_PARAM = 16  # what a copy holds per parameter at most: weights, fp32 masters, two Adam moments
 
 install_cpu_optimizer_check()  # nanotron 0.4's load_optimizer moves state to "cuda" for a sanity check
 install_quiet_weight_save()  # nanotron 0.4's save_weights draws a progress bar on every writing rank, every save
@@ -106,9 +108,6 @@ class CheckpointLayout(Protocol):
     def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
         """This rank's files of the live state (no collective); ``folder`` exists."""
 
-    def capture_bytes(self, trainer: "TrainingState") -> int:
-        """Bytes :meth:`capture` would copy (nothing is copied to tell)."""
-
     def capture(self, trainer: "TrainingState", step: int) -> tuple[CapturedWrite, int]:
         """A host copy of this rank's committed state, and the bytes it holds; the returned callable writes exactly
         the files :meth:`write` writes, from the copy (in a background thread, while training goes on)."""
@@ -120,12 +119,6 @@ class CheckpointLayout(Protocol):
 class NanotronLayout:
     """nanotron 0.4's ``serialize`` format (weights as safetensors per TP/PP shard, optimizer, LR scheduler)."""
 
-    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
-        self._save(trainer, trainer.unwrapped_model, trainer.optimizer, trainer.lr_scheduler, folder, step)
-
-    def capture_bytes(self, trainer: "TrainingState") -> int:
-        return tensor_bytes([trainer.unwrapped_model.state_dict(), trainer.optimizer.state_dict()])
-
     def capture(self, trainer: "TrainingState", step: int) -> tuple[CapturedWrite, int]:
         weights = host_copy(trainer.unwrapped_model.state_dict())
         optimizer = host_copy(trainer.optimizer.state_dict())
@@ -134,16 +127,24 @@ class NanotronLayout:
             torch.cuda.synchronize(trainer.device)  # the pinned copies were queued without waiting
         frozen = (FrozenModel(trainer.unwrapped_model, weights), FrozenOptimizer(trainer.optimizer, optimizer),
                   FrozenScheduler(scheduler))
-        return (lambda folder: self._save(trainer, *frozen, folder, step)), tensor_bytes([weights, optimizer])
+        meta, pc = self._meta(trainer, step), trainer.parallel_context  # read now, not when the thread runs
+        return (lambda folder: self._save(pc, *frozen, folder, meta)), tensor_bytes([weights, optimizer])
+
+    def write(self, trainer: "TrainingState", folder: Path, step: int) -> None:
+        self._save(trainer.parallel_context, trainer.unwrapped_model, trainer.optimizer, trainer.lr_scheduler, folder,
+                   self._meta(trainer, step))
 
     @staticmethod
-    def _save(trainer: "TrainingState", model: Any, optimizer: Any, scheduler: Any, folder: Path, step: int) -> None:
-        pc = trainer.parallel_context
+    def _meta(trainer: "TrainingState", step: int) -> dict:
+        return {"last_train_step": step,
+                "consumed_train_samples": step * trainer.M * trainer.config.tokens.micro_batch_size}
+
+    @staticmethod
+    def _save(pc: Any, model: Any, optimizer: Any, scheduler: Any, folder: Path, meta: dict) -> None:
         save_weights(model, pc, folder)
         save_optimizer(optimizer, pc, folder)
         save_lr_scheduler(scheduler, pc, folder)
-        samples = step * trainer.M * trainer.config.tokens.micro_batch_size
-        save_meta(pc, folder, {"last_train_step": step, "consumed_train_samples": samples})
+        save_meta(pc, folder, meta)
 
     def read(self, trainer: "TrainingState", folder: Path) -> None:
         pc = trainer.parallel_context
@@ -226,7 +227,6 @@ class CheckpointManager:
         self.resume_path = Path(args.resume_checkpoint_path) if args and args.resume_checkpoint_path else None
         self.background = bool(getattr(args, "async_save", False))  # the strategy may still save in the step
         self._pending: BackgroundSave | None = None
-        self._said_no_room = False
 
     def due(self, step: int) -> bool:
         return self.interval is not None and step % self.interval == 0
@@ -263,7 +263,7 @@ class CheckpointManager:
             return
         me = writer_id()
         try:
-            captured = self._capture(trainer, step) if background else None
+            captured = self.layout.capture(trainer, step)[0] if background else None
             announce_writer(tmp, me)
             barrier()  # every writer announced (and holds its copy): the publisher knows whom to wait for
             if publisher:
@@ -291,17 +291,26 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays: it holds the space a person must free
         return DiskFull(written_path(error, tmp), error)
 
-    def _capture(self, trainer: "TrainingState", step: int) -> CapturedWrite | None:
-        """The host copy for a background write; None (write in the step) where the host has no room for it."""
-        need, room = self.layout.capture_bytes(trainer), host_room_bytes()
-        if room is not None and need * ROOM_FACTOR > room:
-            if not self._said_no_room:
-                print(f"[nanotron-recover] checkpoint {step}: written in the step, not in the background (its copy "
-                      f"needs {need / 2**20:.0f} MiB, {room / 2**20:.0f} MiB of host memory are available)", flush=True)
-                self._said_no_room = True
-            return None
-        captured, _ = self.layout.capture(trainer, step)
-        return captured
+    def agree_on_background(self, trainer: "TrainingState", peers: StartupPeers) -> None:
+        """At start-up, every rank alike: whether this run's checkpoints are written in the background. Each rank
+        needs host memory for its copy (its weights, fp32 masters and Adam moments, for every rank of its node at
+        once); where one lacks it, the whole run saves in the step (said once). Agreed so that every writer of a
+        save takes the same path."""
+        if not self.background:  # the config's: the same on every rank
+            return
+        params = sum(local_tensor(p).numel() for _, p in trainer.named_params)  # this rank's shard (HSDP)
+        node_ranks = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))  # Open MPI's: this node's ranks
+        need = params * STATE_BYTES_PER_PARAM * node_ranks
+        room = host_room_bytes()
+        fits = room is None or need * ROOM_FACTOR <= room
+        verdicts = peers.gather_at_startup((fits, need, room))
+        if not all(v[0] for v in verdicts):
+            self.background = False
+            _, need, room = next(v for v in verdicts if not v[0])
+            if peers.startup_share()[0] == 0:
+                print(f"[nanotron-recover] checkpoints are written in the step, not in the background: a node's ranks "
+                      f"need {need / 2**20:.0f} MiB for their copies, {room / 2**20:.0f} MiB of host memory are "
+                      "available", flush=True)
 
     def _background_work(self, captured: CapturedWrite, tmp: Path, me: str, step: int, microbatches: int,
                          publisher: bool, extra_state: dict | None,
@@ -335,8 +344,9 @@ class CheckpointManager:
         if error is not None:
             raise error  # a full disk is a DiskFull already (its folder removed by the thread)
 
-    def settle(self, epoch: int) -> None:
-        """Wait for the save in flight (given up first if the world changed since it began), then :meth:`poll`."""
+    def settle(self, epoch: int, within_s: float | None = None) -> None:
+        """Wait for the save in flight (given up first if the world changed since it began), then :meth:`poll`.
+        ``within_s``: give it up once this long has passed (its own files are still written)."""
         pending = self._pending
         if pending is None:
             return
@@ -344,7 +354,12 @@ class CheckpointManager:
             pending.give_up()
         elif not pending.done():
             print(f"[nanotron-recover] waiting for the background save of step {pending.step}", flush=True)
-        pending.wait()
+        pending.wait(within_s)
+        if not pending.done():
+            print(f"[nanotron-recover] the background save of step {pending.step} is given up: not done within "
+                  f"{within_s:g} s", flush=True)
+            pending.give_up()
+            pending.wait()
         self.poll(epoch)
 
     def _saved_already(self, step: int, publisher: bool) -> bool:

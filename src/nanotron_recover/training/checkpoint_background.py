@@ -51,8 +51,9 @@ def host_room_bytes() -> int | None:
 
 
 def writer_id() -> str:
-    """This process, unique across the job's nodes."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """This process, unique across the job's nodes (its world rank, its node's name and its pid)."""
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "x")  # Open MPI's
+    return f"r{rank}-{socket.gethostname()}-{os.getpid()}"
 
 
 def announce_writer(tmp: Path, me: str) -> None:
@@ -93,7 +94,7 @@ def write_part(write: CapturedWrite, tmp: Path, me: str, before_done: Callable[[
 def wait_for_writers(tmp: Path, given_up: threading.Event) -> dict[str, dict[str, Any]] | None:
     """Every announced writer's files (merged), once each is done; None if the save was given up first."""
     folder = tmp / WRITERS
-    while not given_up.is_set():
+    while not given_up.is_set() and folder.is_dir():  # gone: a newer save removed this one as a leftover
         pending = {p.name.removesuffix(".pending") for p in folder.glob("*.pending")}
         done = {p.name.removesuffix(".done") for p in folder.glob("*.done")}
         if pending and pending <= done:
@@ -132,9 +133,9 @@ class BackgroundSave:
     def give_up(self) -> None:
         self.given_up.set()
 
-    def wait(self) -> None:
-        """Until the thread ended (a publisher: published, or given up)."""
-        self._thread.join()
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the thread ended (a publisher: published, or given up), or ``timeout_s`` passed."""
+        self._thread.join(timeout_s)
 
     def error(self) -> BaseException | None:
         """The thread's error once it ended (None while it runs, or when it succeeded or was given up quietly)."""

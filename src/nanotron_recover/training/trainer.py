@@ -45,6 +45,9 @@ from nanotron_recover.training.seam import CommittedStep, DataParallelStrategy, 
 from nanotron_recover.training.training_state import is_dtensor
 
 logger = logging.getLogger(__name__)
+# a graceful stop waits at most this long for a background save, within its grace (stop_grace_s, 25 s by default);
+# the relaunch resumes from the stop's node-local snapshot either way
+STOP_SETTLE_S = 10.0
 
 
 class RecoverTrainer:
@@ -253,6 +256,8 @@ class RecoverTrainer:
     # ----------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
         self.step = self._resume()
+        if self.dp.saves_in_background:  # room for a background save's copy, on every rank
+            self.checkpoints.agree_on_background(self, self.dp)
         STARTUP.mark("state load")
         first_step = self.step + 1
         self.injector.maybe_fail(0, "startup:checkpoint_load")
@@ -300,7 +305,10 @@ class RecoverTrainer:
         if self.dp.checkpoint_at_stop() and not saved:
             self._at(Phase.CHECKPOINT)
             self.save_checkpoint(step, extra_state={"stopped": stop.event})
-        self.checkpoints.settle(epoch)  # a background save of this step, or of an earlier one, is on disk
+        # a background save of this step (or an earlier one) on disk, but within the stop's grace: the relaunch
+        # reads the snapshot anyway
+        self._at(Phase.CHECKPOINT)
+        self.checkpoints.settle(epoch, within_s=STOP_SETTLE_S)
         if self.metrics.enabled:
             self.metrics.log_event({"event": stop.event, "step": step, "reason": stop.reason})
         raise StopRequested(stop.reason)

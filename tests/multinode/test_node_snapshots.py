@@ -57,8 +57,9 @@ def test_a_lost_node_costs_one_step_not_a_checkpoint_interval(tiny_config, tmp_p
     assert placement == {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}, placement
     assert proc.returncode == EXIT_RESTART, out[-4000:]
     last = read_metrics(run_dir)[0][-1]["step"]
-    disk = latest_checkpoint_step(run_dir)
-    assert disk is not None and disk <= last, (disk, last)
+    # the checkpoint of step 10 is written in the background: on disk unless the loss came inside its write
+    disk = latest_checkpoint_step(run_dir) or 0
+    assert disk % INTERVAL == 0 and disk <= last, (disk, last)
 
     config = config_from_dict(raw)
     for lost in ("n3", "n2"):  # node 3's memory is gone; node 2's folder too, so its ranks must receive

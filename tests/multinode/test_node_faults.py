@@ -103,9 +103,12 @@ INTERVAL = 3
 
 
 def _node_config(tiny_config) -> dict:
-    return tiny_config(dp=3, tp=2, accumulation=2, steps=NODE_STEPS, layers=2, checkpoint_interval=INTERVAL,
-                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
-                                        "local_snapshot_interval": 0})  # the disk-checkpoint fallback itself
+    raw = tiny_config(dp=3, tp=2, accumulation=2, steps=NODE_STEPS, layers=2, checkpoint_interval=INTERVAL,
+                      fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
+                                       "local_snapshot_interval": 0})  # the disk-checkpoint fallback itself
+    # each checkpoint on disk when its step ends (a background save lands one write later): at most an interval lost
+    raw["checkpoints"]["async_save"] = False
+    return raw
 
 
 SPAWN_FAILED = "A daemon failed to report back after being spawned"

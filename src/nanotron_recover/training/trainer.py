@@ -351,6 +351,7 @@ class RecoverTrainer:
         self._current_step, self._nonfinite_microbatch = step, None
         result = self.dp.forward_backward_reduce(step, self.services)  # plan -> compute -> reduce (with recovery)
         if result.nonfinite is not None:  # the same on every rank: never committed, saved or snapshotted
+            self.checkpoints.settle(result.epoch, within_s=STOP_SETTLE_S)  # the last finite state's save: on disk
             raise self._nonfinite_step(step, result.nonfinite)
         self._at(Phase.OPTIMIZER)
         if self.dp.computes():  # an idle spare only keeps its LR schedule in step

@@ -65,13 +65,18 @@ def write_atomically(path: Path, text: str, durable: bool = False) -> None:
         fsync_dir(path.parent)
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new entry in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Make a file's bytes, or a folder's entries (a rename, a new file), durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable."""
+    fsync_path(folder)
 
 
 def write_json_atomically(path: Path, record: dict[str, Any]) -> None:

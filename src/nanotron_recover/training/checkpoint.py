@@ -91,13 +91,10 @@ LAYOUT_NANOTRON = "nanotron"  # trainer_state.json "layout" values (absent in ol
 LAYOUT_HSDP = "hsdp"
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*"), reverse=True):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _fsync_folders(folder: Path) -> None:
+    """The entries of every folder under ``folder``, deepest first (each writer made its own files durable)."""
+    for path in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+        fsync_dir(path)
     fsync_dir(folder)
 
 
@@ -396,7 +393,7 @@ class CheckpointManager:
         point ``latest.txt`` at it."""
         final = self.root / str(step)
         shutil.rmtree(tmp / WRITERS, ignore_errors=True)
-        _fsync_tree(tmp)  # the writers' files are durable; the folders holding them, now
+        _fsync_folders(tmp)  # the writers' files are durable; the folders holding them, now
         state = {
             "step": step,
             "microbatches_per_step": microbatches,

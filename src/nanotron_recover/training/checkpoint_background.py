@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from nanotron_recover.run import fence
 from nanotron_recover.run.disk_space import is_disk_full
-from nanotron_recover.run.run_folder import write_atomically
+from nanotron_recover.run.run_folder import fsync_path, write_atomically
 from nanotron_recover.training.checkpoint_integrity import CHECKSUM_KIND, file_checksum
 
 WRITERS = ".writers"  # inside a save's temporary folder: who writes, and who is done
@@ -62,14 +62,6 @@ def announce_writer(tmp: Path, me: str) -> None:
     (tmp / WRITERS / f"{me}.pending").touch()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_part(write: CapturedWrite, tmp: Path, me: str, before_done: Callable[[], None] = lambda: None) -> None:
     """The background thread of one writer: write into its part folder, make the files durable, move them into
     the save's folder, hash them, say it is done."""
@@ -79,7 +71,7 @@ def write_part(write: CapturedWrite, tmp: Path, me: str, before_done: Callable[[
     files = sorted(p for p in part.rglob("*") if p.is_file())
     recorded: dict[str, dict[str, Any]] = {}
     for path in files:
-        _fsync(path)
+        fsync_path(path)
         name = path.relative_to(part).as_posix()
         target = tmp / name
         target.parent.mkdir(parents=True, exist_ok=True)

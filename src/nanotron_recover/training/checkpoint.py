@@ -254,7 +254,9 @@ class CheckpointManager:
             return
         fence.guard(f"checkpoint {step}")  # before _saved_already, which may move latest.txt or set a folder aside
         epoch = int((extra_state or {}).get("epoch", 0))
-        self.settle(epoch)  # every writer's earlier save finished (or given up): the leftovers below are dead
+        self.settle(epoch)  # this writer's earlier save finished (or given up): the leftovers below are dead
+        barrier()  # every writer's: a publisher's thread may still be publishing this step (a save retried after a
+        # repair), and the verdict below must be read from the same files by every writer
         tmp = self.root / f"{TMP_PREFIX}{step}-{self.launch_token}-e{epoch}"
         if self._saved_already(step, publisher):
             return

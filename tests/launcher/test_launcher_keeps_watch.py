@@ -31,7 +31,7 @@ from nanotron_recover.run.run_folder import (
     read_metrics,
 )
 from tests.conftest import make_tiny_config
-from tests.launcher.test_relaunch import standby_ranks, wait_for_ready_standby
+from tests.launcher.test_relaunch import standby_ranks, stop_once_the_relaunch_trains, wait_for_ready_standby
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 300
@@ -109,14 +109,14 @@ def test_a_stop_signal_while_the_launcher_waits_for_its_standby_starts_no_launch
 
 def test_a_standby_that_lost_a_rank_is_not_waited_for(tmp_path):
     """One rank of the ready standby SIGKILLed (its mpirun lives on: a standby runs under ULFM too) at the moment
-    the job's mpirun is lost: the next launch starts within 15 s, cold, and the run finishes."""
+    the job's mpirun is lost: the next launch starts within 15 s, cold, and trains (the test then stops it)."""
     cfg = config(tmp_path, 6000)
     with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
         wait_for_ready_standby(proc, ranks=2)
         os.kill(_a_standby_rank(proc.pid), signal.SIGKILL)
         took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
     output = log.read_text()
-    assert proc.returncode == 0 and read_launches(run_dir)[1]["warm"] is False, output[-3000:]
+    assert proc.returncode == EXIT_RESTART and read_launches(run_dir)[1]["warm"] is False, output[-3000:]
     assert "died while it waited" in output, output[-3000:]
     print(f"\nstandby rank and job lost at once: next launch {took:.1f} s later (cold)")
 
@@ -133,17 +133,18 @@ def test_a_standby_that_lost_a_rank_is_replaced_and_the_relaunch_is_warm(tmp_pat
         wait_for_ready_standby(proc, ranks=2)
         took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
     output = log.read_text()
-    assert proc.returncode == 0 and read_launches(run_dir)[1]["warm"] is True, output[-3000:]
+    assert proc.returncode == EXIT_RESTART and read_launches(run_dir)[1]["warm"] is True, output[-3000:]
     assert "died while it waited" in output and "starting another" in output, output[-3000:]
     print(f"\nstandby rank lost, replaced; then the job lost: next launch {took:.1f} s later (warm)")
 
 
 def lose_the_job_and_time_the_next_launch(proc: subprocess.Popen, run_dir: Path, log: Path) -> float:
-    """SIGKILL the job's mpirun (a lost node), wait for the run to end; -> seconds to the next launch (<= 15)."""
+    """SIGKILL the job's mpirun (a lost node), stop the run once the next launch trains (exit 3); -> seconds to the
+    next launch (<= 15)."""
     os.kill(mpirun_pid(proc.pid), signal.SIGKILL)
     killed = time.time()
     wait_for(lambda: len(read_launches(run_dir)) >= 2, "the next launch", proc, log, timeout_s=120)
-    proc.wait(timeout=TIMEOUT_S)
+    stop_once_the_relaunch_trains(proc, run_dir)
     took = read_launches(run_dir)[1]["time"] - killed
     assert took <= 15, f"the next launch began {took:.1f} s after the loss:\n{log.read_text()[-3000:]}"
     return took
@@ -207,5 +208,5 @@ def test_a_standby_whose_logging_rank_runs_wandbs_service_is_not_taken_for_broke
         took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
     output = log.read_text()
     assert "died while it waited" not in output, output[-3000:]
-    assert proc.returncode == 0 and read_launches(run_dir)[1]["warm"] is True, output[-3000:]
+    assert proc.returncode == EXIT_RESTART and read_launches(run_dir)[1]["warm"] is True, output[-3000:]
     print(f"\nwandb offline: the job lost, the next launch {took:.1f} s later, warm")

@@ -162,13 +162,15 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
     # idle, then its imports beside the training), then a kill from outside
     raw = make_tiny_config(dp=2, steps=steps, accumulation=2, layers=2,
                            fault_tolerance={"enabled": True, "min_replicas": 2, "local_snapshot_dir": str(tmp_path)})
+    # first, and alone: a reference run beside the job (two trainings on the 2 CI cores) can stall a rank past the
+    # hang timeout
+    reference = run_training(raw, tmp_path / "reference", timeout_s=200, extra_args=["--synthetic-data"])
     config = write_config(raw, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
                          sbatch_args=["--ntasks=2", f"--output={log}"])
     wait_for_batch_standby(cluster, job, run_dir, ranks=2, timeout_s=150)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # below min_replicas: the job ends with the restart outcome
-    reference = run_training(raw, tmp_path / "reference", timeout_s=200, extra_args=["--synthetic-data"])
     info = cluster.wait(job, timeout_s=240)
     output = log.read_text() if log.exists() else ""
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])

@@ -292,3 +292,36 @@ def test_checkpoints_are_written_in_the_background_unless_asked_not_to(tiny_conf
     assert config_from_dict(raw).checkpoints.async_save is True
     raw["checkpoints"]["async_save"] = False
     assert config_from_dict(raw).checkpoints.async_save is False
+
+
+def test_without_an_interval_the_resilient_path_saves_on_the_auto_cadence_and_the_stock_path_is_told(tiny_config):
+    raw = tiny_config(dp=2, steps=4, checkpoint_interval=2, fault_tolerance={"enabled": True})
+    del raw["checkpoints"]["checkpoint_interval"]
+    assert config_from_dict(raw).checkpoints.checkpoint_interval == "auto"
+    stock = copy.deepcopy(raw)
+    del stock["fault_tolerance"]
+    with pytest.raises(ConfigError, match=r"checkpoints.checkpoint_interval: 'auto' \(the default\) needs fault_tol"):
+        config_from_dict(stock)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("checkpoint_interval", "often", "a number of steps or 'auto'"),
+    ("checkpoint_interval", 0, "must be >= 1"),
+    ("checkpoint_min_interval_s", 0, "finite number > 0"),
+    ("checkpoint_max_interval_h", float("inf"), "finite number > 0"),
+    ("all_snapshots_lost_h", -1, "finite number > 0"),
+    ("checkpoint_min_interval_s", 7200, "more than checkpoint_max_interval_h"),
+])
+def test_an_impossible_checkpoint_cadence_is_refused_before_the_run(tiny_config, key, value, match):
+    raw = tiny_config(dp=2, steps=4, checkpoint_interval=2, fault_tolerance={"enabled": True})
+    raw["checkpoints"].update({"checkpoint_interval": "auto", key: value})
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw)
+
+
+def test_a_fault_inside_a_save_needs_a_fixed_interval(tiny_config):
+    inject = [{"step": 2, "replica": 1, "rank": 0, "phase": "checkpoint"}]
+    raw = tiny_config(dp=2, steps=4, checkpoint_interval=2, fault_tolerance={"enabled": True, "inject": inject})
+    raw["checkpoints"]["checkpoint_interval"] = "auto"
+    with pytest.raises(ConfigError, match="needs a fixed checkpoints.checkpoint_interval"):
+        config_from_dict(raw)

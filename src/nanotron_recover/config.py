@@ -195,7 +195,14 @@ class RecoverDataArgs(DataArgs):
 
 @dataclass
 class RecoverCheckpointsArgs(CheckpointsArgs):
-    """nanotron's ``checkpoints:`` section, plus ``async_save``.
+    """nanotron's ``checkpoints:`` section, plus ``async_save`` and the ``auto`` cadence.
+
+    checkpoint_interval: every this many steps, or ``auto`` (the default with fault tolerance on; the stock path is
+        nanotron's and takes a number): the cadence from what a relaunch reads
+        (:mod:`nanotron_recover.training.checkpoint_cadence`): Young/Daly on the expected time between losses that
+        a disk checkpoint alone repairs (``all_snapshots_lost_h`` with node-local snapshots on, else
+        ``fault_tolerance.relaunch_mtbf_h``) and the measured stall of a save, within
+        ``[checkpoint_min_interval_s, checkpoint_max_interval_h]``.
 
     async_save: a checkpoint step copies the committed state to host memory and the training goes on while a
         background thread per writing rank writes it (nanotron's format, the same files as a save in the step);
@@ -205,7 +212,11 @@ class RecoverCheckpointsArgs(CheckpointsArgs):
         graceful stop's save are written in the step. The stock path always saves in the step, as nanotron does.
     """
 
+    checkpoint_interval: Union[int, str] = "auto"
     async_save: bool = True
+    checkpoint_min_interval_s: float = 60.0
+    checkpoint_max_interval_h: float = 1.0
+    all_snapshots_lost_h: float = 168.0
 
 
 @dataclass
@@ -353,7 +364,7 @@ def validate(config: RecoverConfig) -> None:
         _check(tok.micro_batch_size * tok.sequence_length % par.tp == 0, "tokens.sequence_length",
                "micro_batch_size * sequence_length must be divisible by tp in REDUCE_SCATTER mode")
     if config.checkpoints is not None:
-        _check(config.checkpoints.checkpoint_interval >= 1, "checkpoints.checkpoint_interval", "must be >= 1")
+        _validate_cadence(config)
     if config.optimizer is not None:
         _check(config.optimizer.zero_stage == 0, "optimizer.zero_stage",
                f"{config.optimizer.zero_stage} is not supported (optimizer states are replicated: use 0)")
@@ -453,14 +464,39 @@ def _validate_inject(config: RecoverConfig) -> None:
         _check(0 <= inj.rank < config.ranks_per_replica, f"{key}.rank",
                f"{inj.rank} is outside 0..{config.ranks_per_replica - 1} (ranks per replica)")
         if inj.phase in ("checkpoint", "checkpoint-background"):  # the others: in a final or a fallback save too
-            _check(config.checkpoints is not None and inj.step % config.checkpoints.checkpoint_interval == 0,
-                   f"{key}.step", f"a '{inj.phase}' failure needs a step at which a checkpoint is saved")
+            interval = config.checkpoints.checkpoint_interval if config.checkpoints is not None else None
+            _check(isinstance(interval, int), f"{key}.phase",
+                   f"a '{inj.phase}' failure needs a fixed checkpoints.checkpoint_interval (auto's steps are not known "
+                   "before the run)")
+            _check(inj.step % interval == 0, f"{key}.step", f"a '{inj.phase}' failure needs a step at which a "
+                   "checkpoint is saved")
     if ft.enabled and ft.inject:
         # a startup fault ends the job; with recycling, a formed replica's id names no launched replica
         killed = {inj.replica for inj in ft.inject
                   if inj.phase != "startup" and inj.signal != "slow" and inj.replica < n_replicas}
         if len(killed) > n_replicas - 1:
             raise ConfigError("fault_tolerance.inject: the schedule kills every replica; none would be left")
+
+
+def _validate_cadence(config: RecoverConfig) -> None:
+    """``checkpoints.checkpoint_interval`` (a number of steps or ``auto``) and the ``auto`` cadence's bounds."""
+    ck = config.checkpoints
+    interval = ck.checkpoint_interval
+    if isinstance(interval, bool) or not isinstance(interval, (int, str)) or (
+            isinstance(interval, str) and interval != "auto"):
+        raise ConfigError(f"checkpoints.checkpoint_interval: a number of steps or 'auto', got {interval!r}")
+    if isinstance(interval, int):
+        _check(interval >= 1, "checkpoints.checkpoint_interval", "must be >= 1")
+        return
+    _check(config.ft_enabled, "checkpoints.checkpoint_interval", "'auto' (the default) needs fault_tolerance.enabled; "
+           "the stock path is nanotron's, which takes a number of steps")
+    for key in ("checkpoint_min_interval_s", "checkpoint_max_interval_h", "all_snapshots_lost_h"):
+        value = getattr(ck, key)
+        _check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"checkpoints.{key}",
+               f"must be a finite number > 0, got {value!r}")
+    _check(ck.checkpoint_min_interval_s <= ck.checkpoint_max_interval_h * 3600, "checkpoints.checkpoint_min_interval_s",
+           f"{ck.checkpoint_min_interval_s:g} s is more than checkpoint_max_interval_h "
+           f"({ck.checkpoint_max_interval_h:g} h)")
 
 
 def _validate_replica_kind(config: RecoverConfig) -> None:

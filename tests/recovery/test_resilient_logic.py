@@ -243,7 +243,7 @@ def test_a_spare_that_replaced_a_replica_lost_in_a_checkpoint_save_computes_only
     strategy, world, training = make(dp=2, spares=1)
     world.fail_at, world.next_failure = ("agree", 1), [1]
     writers: list[bool] = []
-    strategy.save_checkpoint(STEP, lambda writer, barrier, publisher, extra: writers.append(writer),
+    strategy.save_checkpoint(STEP, lambda writer, barrier, publisher, extra, count: writers.append(writer),
                              services(training, Sink()))
     assert writers == [True, True]  # replica 0 wrote, and wrote again after the repair
     assert strategy.roster.active == [0, 2] and strategy.holders == {0}

@@ -13,7 +13,8 @@ def test_plan_prints_every_policy_and_the_recommendations(capsys):
     out = capsys.readouterr().out
     for name in ("ckpt_restart", "shrinking", "recover", "recover_spares", "recover_recycle", "recover_node_tolerant"):
         assert f"| {name} |" in out
-    for key in ("spare_replicas:", "min_replicas:", "checkpoint_interval:", "Young/Daly"):
+    for key in ("spare_replicas:", "min_replicas:", "checkpoint_interval:", "Young/Daly",
+                "or leave it out: auto, this rule in the run"):
         assert key in out
     assert "needs the node-tolerant runtime" in out and "NANOTRON_RECOVER_RUNTIME" in out and "recycling" in out
     assert re.search(r"fault_tolerance\.recycle: (true|false) +\(recover_recycle ETTR [0-9.]+ vs [0-9.]+ without", out)

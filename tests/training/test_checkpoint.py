@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -251,3 +252,30 @@ def test_a_save_never_trusts_a_folder_past_the_pointer_that_is_not_its_own(tiny_
     assert (manager.root / LATEST).read_text().strip() == "4"
     assert (manager.root / "4" / "model" / "w.bin").read_bytes() == bytes([7]) * 8192
     assert (manager.root / "4.rolled-back" / "model" / "w.bin").read_bytes() == bytes([1]) * 8192
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_with_no_interval_given_the_run_saves_on_the_auto_cadence(tiny_config, tmp_path):
+    """``checkpoint_interval`` left out: the first save comes once the minimum interval of training has passed (it
+    measures what a save stalls the step), every later one once Young/Daly's interval has; every rank saves the same
+    steps (the decision is drawn from the steps' agreed sums), and the last step is on disk."""
+    steps = 60
+    config = tiny_config(dp=2, accumulation=2, steps=steps, checkpoint_interval=SAVE_AT,
+                         fault_tolerance={"enabled": True})
+    del config["checkpoints"]["checkpoint_interval"]
+    config["checkpoints"].update(checkpoint_min_interval_s=0.4, all_snapshots_lost_h=0.0005)  # Young/Daly: ~1 s
+    run = run_training(config, tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    events = [r for r in read_metrics_jsonl(tmp_path / "run") if r.get("event") == "checkpoint_cadence"]
+    assert len(events) >= 2, run.output[-3000:]
+    assert events[0]["stall_s"] is None and events[0]["interval_s"] == 0.4
+    assert all(e["stall_s"] is not None and e["stall_s"] > 0 for e in events[1:]), events
+    mtbf_s = 0.0005 * 3600
+    for before, e in zip([{"step": 0}, *events], events):
+        assert (e["step"] - before["step"]) * e["step_s"] >= e["interval_s"] - 1e-3, e  # the training since the last
+        if e["stall_s"] is not None:  # the rule, on the stall measured in this run
+            assert e["interval_s"] == pytest.approx(max(math.sqrt(2 * e["stall_s"] * mtbf_s), 0.4), abs=2e-3), e
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / LATEST).read_text().strip() == str(steps)
+    print("\nauto cadence: saves after steps " + ", ".join(f"{e['step']} ({e['interval_s']} s, stall {e['stall_s']})"
+                                                          for e in events))

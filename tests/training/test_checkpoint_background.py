@@ -127,3 +127,18 @@ def test_a_wait_with_a_bound_returns_while_the_save_runs(tmp_path: Path) -> None
     release.set()
     save.wait()
     assert save.done() and save.error() is None
+
+
+def test_the_publisher_waits_for_as_many_writers_as_the_strategy_says(tmp_path: Path) -> None:
+    """A stale listing (a shared file system's cache) shows one writer of two: the publish must not go ahead on it."""
+    announce_writer(tmp_path, "a")
+    write_part(_writes({"a.bin": b"1"}), tmp_path, "a")
+    found: list = []
+    waiter = threading.Thread(target=lambda: found.append(wait_for_writers(tmp_path, threading.Event(), writers=2)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not found  # a's part alone is not the save
+    announce_writer(tmp_path, "b")
+    write_part(_writes({"b.bin": b"22"}), tmp_path, "b")
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and sorted(found[0]) == ["a.bin", "b.bin"]

@@ -66,14 +66,8 @@ class ResilientDataParallel(DataParallelStrategy):
     """
 
     def __init__(
-        self,
-        config: RecoverConfig,
-        timeout_s: float,
-        end_job: Callable[[str], None],
-        *,
-        launch: LaunchContract | None = None,
-        entry: EntryHooks | None = None,
-        ft: ReplicaWorld | None = None,
+        self, config: RecoverConfig, timeout_s: float, end_job: Callable[[str], None], *,
+        launch: LaunchContract | None = None, entry: EntryHooks | None = None, ft: ReplicaWorld | None = None,
         parallel_context: ReplicaParallelContext | None = None,
     ) -> None:
         par, ft_args = config.parallelism, config.fault_tolerance
@@ -194,7 +188,7 @@ class ResilientDataParallel(DataParallelStrategy):
             loss *= self.M / committed
         return CommittedStep(loss=loss, microbatches=committed, epoch=self.ft.epoch, live_replicas=len(plan),
                              recoveries=recoveries, quotas={r: len(v) for r, v in plan.items()}, balance=balance,
-                             nonfinite=self.step_stats.nonfinite(), stop=stop)
+                             nonfinite=self.step_stats.nonfinite(), stop=stop, cadence=self.step_stats.cadence_inputs())
 
     def _plan(self, step: int) -> Plan:
         """Slots keep the failure-free ranges: a spare computes exactly what the replica it replaced did. A replica
@@ -225,7 +219,8 @@ class ResilientDataParallel(DataParallelStrategy):
         stats = self.step_stats.fill(work.loss_sum if (computing and self._reports_loss()) else 0.0, work,
                                      computing and self.local_rank == 0, self.roster.slot_of(self.replica),
                                      self.snapshots.cost_s if self.snapshots is not None else None,
-                                     self._last_step_s, grads_finite=not computing or self.buckets.all_finite())
+                                     self._last_step_s, grads_finite=not computing or self.buckets.all_finite(),
+                                     save_stall_s=services.save_stall())
         self.ft.allreduce_sum_(stats, "world")
 
     def _log_plane_build(self, services: StepServices, step: int) -> None:
@@ -432,9 +427,9 @@ class ResilientDataParallel(DataParallelStrategy):
             epoch = self.ft.epoch  # a repair of the watcher's during the write is the one this save's peers matched
             writer_replica = min(self.holders)
             try:  # a writer's mate dying mid-write is a torch error: recycling pools this rank (it writes no more)
+                state = {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})}
                 write(self.replica == writer_replica, lambda: torch_dist.barrier(group=self.parallel_context.world_pg),
-                      self.replica == writer_replica and self.local_rank == 0,
-                      {"epoch": self.ft.epoch, "live_replicas": self.ft.live_replicas, **(extra_state or {})})
+                      self.replica == writer_replica and self.local_rank == 0, state, self.config.ranks_per_replica)
             except Exception as e:  # noqa: BLE001 - not pooled: join the survivors' repair (evicts this rank), or a bug
                 if is_disk_full(e):  # this rank's own write, no repair to wait for (up to the hang timeout): exit 2 now
                     raise

@@ -15,7 +15,10 @@ extra round, and every rank reads the same numbers after it. Its tenants declare
   stop signal: the step it is seen in is the job's last (:meth:`StepStats.stop_at`);
 * the snapshot schedule (:mod:`nanotron_recover.snapshots.schedule`,
   :data:`~nanotron_recover.snapshots.schedule.SNAPSHOT_SUMS`): each rank's last snapshot write cost and step time in
-  whole microseconds, with how many ranks measured each.
+  whole microseconds, with how many ranks measured each;
+* the checkpoint cadence (:mod:`nanotron_recover.training.checkpoint_cadence`,
+  :data:`~nanotron_recover.training.checkpoint_cadence.CADENCE_SUMS`): each rank's wall time of its last save (whole
+  microseconds) and how many ranks measured one.
 
 Entries with one contributor (a slot's speed) are exact; the others are integers or counts, exact as well: the sums
 are bit-identical on every rank whatever order MPI adds in. Only the committed attempt's numbers are read: a
@@ -33,6 +36,7 @@ from nanotron_recover.config import RecoverConfig
 from nanotron_recover.process.stop_request import STOP, STOP_SUMS, stop_reason
 from nanotron_recover.recovery.rebalancing import SlotSpeeds, settings_of, speed_entries
 from nanotron_recover.snapshots.schedule import SNAPSHOT_SUMS
+from nanotron_recover.training.checkpoint_cadence import CADENCE_SUMS
 from nanotron_recover.training.seam import LocalWork, StepStop
 from nanotron_recover.workload.spares import ReplicaRoster
 
@@ -58,7 +62,7 @@ class SumsLayout:
 
 def step_sums_layout(slots: int) -> SumsLayout:
     """Every tenant's entries, for a job of ``slots`` data-parallel slots."""
-    return SumsLayout([*STEP_SUMS, *speed_entries(slots), *STOP_SUMS, *SNAPSHOT_SUMS])
+    return SumsLayout([*STEP_SUMS, *speed_entries(slots), *STOP_SUMS, *SNAPSHOT_SUMS, *CADENCE_SUMS])
 
 
 class StepStats:
@@ -83,12 +87,13 @@ class StepStats:
 
     def fill(self, loss: float, work: LocalWork, counts: bool, slot: int | None,
              snapshot_cost_s: float | None = None, step_s: float | None = None,
-             grads_finite: bool = True, stop: bool | None = None) -> np.ndarray:
+             grads_finite: bool = True, stop: bool | None = None, save_stall_s: float | None = None) -> np.ndarray:
         """This rank's contribution: ``counts`` for local rank 0 of a computing replica (the count and the speeds
         are counted once per replica), ``slot`` the slot its replica holds; ``snapshot_cost_s`` and ``step_s``
         its last measured snapshot write and step (None: none measured yet); ``grads_finite``: whether its reduced
         gradient is free of NaN and infinity; ``stop``: whether it received a stop signal (None: this process's
-        :data:`~nanotron_recover.process.stop_request.STOP`)."""
+        :data:`~nanotron_recover.process.stop_request.STOP`); ``save_stall_s``: the wall time of its last checkpoint
+        save (None: none yet)."""
         self.stats[:] = 0.0
         self["loss"][0] = loss
         self["nonfinite_grads"][0] = 0.0 if grads_finite else 1.0
@@ -101,6 +106,8 @@ class StepStats:
             self["snapshot_cost_us"][0], self["snapshot_writers"][0] = round(snapshot_cost_s * 1e6), 1.0
         if step_s is not None:
             self["step_us"][0], self["step_ranks"][0] = round(step_s * 1e6), 1.0
+        if save_stall_s is not None:
+            self["save_stall_us"][0], self["save_stall_ranks"][0] = round(save_stall_s * 1e6), 1.0
         return self.stats
 
     def loss_and_microbatches(self) -> tuple[float, int]:
@@ -123,6 +130,13 @@ class StepStats:
     def snapshot_sums(self) -> tuple[float, float, float, float]:
         """The committed step's (write cost µs, writers, step µs, ranks) sums, for the snapshot schedule."""
         return tuple(float(self[name][0]) for name, _ in SNAPSHOT_SUMS)  # type: ignore[return-value]
+
+    def cadence_inputs(self) -> tuple[float | None, float | None]:
+        """The committed step's (mean step s, mean last save stall s) of the ranks that measured one (None: none),
+        for the checkpoint cadence: the same numbers on every rank."""
+        step_ranks, stall_ranks = float(self["step_ranks"][0]), float(self["save_stall_ranks"][0])
+        return (float(self["step_us"][0]) / step_ranks / 1e6 if step_ranks else None,
+                float(self["save_stall_us"][0]) / stall_ranks / 1e6 if stall_ranks else None)
 
     # the rebalancer's tenant, fed the committed attempt's slot speeds
     def observe(self, roster: ReplicaRoster) -> dict[str, Any]:

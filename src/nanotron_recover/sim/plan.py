@@ -123,7 +123,7 @@ def plan_report(cluster: Cluster, p: Params, days: float, seeds: int) -> tuple[s
         "checkpoint guards only against losing every copy at once; Young/Daly sqrt(2 x save's stall "
         f"{stall:.3g} s ({how}) x all_snapshots_lost_hours {p.all_snapshots_lost_hours:.3g} h) = {tau_yd:.4g} s, "
         f"at least ckpt_min_interval_s {p.ckpt_min_interval_s:.3g} s and one save's write {save:.3g} s, at most "
-        f"ckpt_max_interval_hours {p.ckpt_max_interval_hours:.3g} h)",
+        f"ckpt_max_interval_hours {p.ckpt_max_interval_hours:.3g} h; or leave it out: auto, this rule in the run)",
         f"  checkpoints.async_save: {str(p.ckpt_async).lower()}",
         f"  stock checkpoint-restart: checkpoint_interval {rec.ckpt_restart_interval} steps (sqrt(2 x {save:.3g} s x "
         f"MTBF {mtbf_h:.3g} h) = {tau_ckpt:.4g} s)",

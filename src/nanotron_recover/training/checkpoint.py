@@ -29,7 +29,7 @@ import torch
 from nanotron.serialize import load_weights, save_meta, save_weights
 from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
 
-from nanotron_recover.config import RecoverConfig
+from nanotron_recover.config import RecoverConfig, snapshots_on
 from nanotron_recover.nanotron_compat.frozen_state import (
     FrozenModel,
     FrozenOptimizer,
@@ -53,6 +53,7 @@ from nanotron_recover.training.checkpoint_background import (
     write_part,
     writer_id,
 )
+from nanotron_recover.training.checkpoint_cadence import CheckpointCadence
 from nanotron_recover.training.checkpoint_integrity import (
     CHECKSUM_KIND,
     FILES_KEY,
@@ -217,7 +218,8 @@ class CheckpointManager:
         self.launch_token = launch_token
         self.layout = layout if layout is not None else NanotronLayout()
         args = config.checkpoints
-        self.interval = args.checkpoint_interval if args is not None else None
+        self.interval = args.checkpoint_interval if args is not None else None  # steps, or "auto" (cadence)
+        self.cadence = _cadence_of(config) if self.interval == "auto" else None
         root = own_root(config, Path(run_dir))
         assert root is not None  # a run dir is given
         self.root = root
@@ -225,8 +227,19 @@ class CheckpointManager:
         self.background = bool(getattr(args, "async_save", False))  # the strategy may still save in the step
         self._pending: BackgroundSave | None = None
 
-    def due(self, step: int) -> bool:
-        return self.interval is not None and step % self.interval == 0
+    def due(self, step: int, cadence_inputs: tuple[float | None, float | None] = (None, None)) -> bool:
+        """Whether committed ``step`` is saved: every ``interval`` steps, or as the ``auto`` cadence decides from
+        the step's agreed (step time, save stall) (the same answer on every rank)."""
+        if self.cadence is not None:
+            self.cadence.observe(*cadence_inputs)
+            return self.cadence.due(step)
+        return isinstance(self.interval, int) and step % self.interval == 0
+
+    def start_cadence(self, newest: int | None) -> None:
+        """The ``auto`` cadence counts from ``newest``, the step of the newest checkpoint on disk (agreed at resume;
+        None: none): a relaunch does not restart its clock."""
+        if self.cadence is not None:
+            self.cadence.last_saved = newest or 0
 
     def latest(self) -> Path | None:
         return resolve_checkpoint(self.root) if self.root.is_dir() else None
@@ -240,11 +253,12 @@ class CheckpointManager:
         barrier: Callable[[], None],
         publisher: bool,
         extra_state: dict | None = None,
+        writers: int = 1,
         fault_point: Callable[[str], None] = lambda phase: None,
         background: bool = False,
         background_fault: Callable[[str], None] = lambda phase: None,
     ) -> None:
-        """Collective over the writing ranks (one full model copy); ``publisher`` renames it into place.
+        """Collective over the ``writers`` writing ranks (one full model copy); ``publisher`` renames it into place.
         ``fault_point(phase)``: progress and the fault schedule inside the save (``checkpoint-write`` once this
         rank's part is written, ``checkpoint-publish`` between the rename and ``latest.txt``). ``background``: copy
         the state and return; a thread writes it (:mod:`nanotron_recover.training.checkpoint_background`), where
@@ -270,7 +284,7 @@ class CheckpointManager:
                     if leftover != tmp:
                         shutil.rmtree(leftover, ignore_errors=True)
             if captured is not None:
-                work = self._background_work(captured, tmp, me, step, trainer.M, publisher, extra_state,
+                work = self._background_work(captured, tmp, me, step, trainer.M, publisher, writers, extra_state,
                                              background_fault)
                 self._pending = BackgroundSave(step, epoch, tmp, work)
                 return
@@ -278,7 +292,7 @@ class CheckpointManager:
             fault_point("checkpoint-write")
             barrier()  # every part written
             if publisher:
-                files = wait_for_writers(tmp, threading.Event())  # done already: the barrier said so
+                files = wait_for_writers(tmp, threading.Event(), writers)  # done: the barrier said so
                 assert files is not None
                 self._publish(tmp, step, trainer.M, extra_state, files, fault_point)
         except Exception as e:
@@ -312,14 +326,14 @@ class CheckpointManager:
                       "available", flush=True)
 
     def _background_work(self, captured: CapturedWrite, tmp: Path, me: str, step: int, microbatches: int,
-                         publisher: bool, extra_state: dict | None,
+                         publisher: bool, writers: int, extra_state: dict | None,
                          fault: Callable[[str], None]) -> Callable[[threading.Event], None]:
         def work(given_up: threading.Event) -> None:
             try:
                 write_part(captured, tmp, me, before_done=lambda: fault("checkpoint-background"))
                 if not publisher:
                     return
-                files = wait_for_writers(tmp, given_up)
+                files = wait_for_writers(tmp, given_up, writers)
                 if files is not None:  # None: given up (the world changed); the folder is a leftover
                     self._publish(tmp, step, microbatches, extra_state, files, fault)
             except Exception as e:
@@ -443,3 +457,12 @@ class CheckpointManager:
         if peers.startup_share()[0] == 0:  # every rank loaded; one says so
             print(f"[nanotron-recover] resumed from {source} at step {choice.step}", flush=True)
         return choice.step
+
+
+def _cadence_of(config: RecoverConfig) -> CheckpointCadence:
+    """The ``auto`` cadence's MTBF: with node-local snapshots on, a disk checkpoint is read only once every copy of
+    the committed step is lost; with them off, after every fault that ends the job."""
+    ck, ft = config.checkpoints, config.fault_tolerance
+    mtbf_h = ck.all_snapshots_lost_h if snapshots_on(ft.local_snapshot_interval) else ft.relaunch_mtbf_h
+    return CheckpointCadence(mtbf_s=mtbf_h * 3600.0, min_s=ck.checkpoint_min_interval_s,
+                             max_s=ck.checkpoint_max_interval_h * 3600.0)

@@ -83,13 +83,15 @@ def write_part(write: CapturedWrite, tmp: Path, me: str, before_done: Callable[[
     write_atomically(tmp / WRITERS / f"{me}.done", json.dumps(recorded), durable=True)
 
 
-def wait_for_writers(tmp: Path, given_up: threading.Event) -> dict[str, dict[str, Any]] | None:
-    """Every announced writer's files (merged), once each is done; None if the save was given up first."""
+def wait_for_writers(tmp: Path, given_up: threading.Event, writers: int = 1) -> dict[str, dict[str, Any]] | None:
+    """Every announced writer's files (merged), once each of at least ``writers`` is done; None if the save was
+    given up first. The count is the strategy's: a shared file system may list a folder from a stale cache (NFS's
+    attribute cache), and a writer missing from the listing must not be a writer the publish forgets."""
     folder = tmp / WRITERS
     while not given_up.is_set() and folder.is_dir():  # gone: a newer save removed this one as a leftover
         pending = {p.name.removesuffix(".pending") for p in folder.glob("*.pending")}
         done = {p.name.removesuffix(".done") for p in folder.glob("*.done")}
-        if pending and pending <= done:
+        if len(pending) >= max(writers, 1) and pending <= done:
             merged: dict[str, dict[str, Any]] = {}
             for me in sorted(pending):
                 merged.update(json.loads((folder / f"{me}.done").read_text()))

@@ -63,6 +63,7 @@ class CommittedStep:
     balance: dict[str, Any] | None = None  # measured speeds per replica, drained stragglers (logged per step)
     nonfinite: str | None = None  # what was NaN or infinite (the loss, a gradient): the step must not be committed
     stop: StepStop | None = None  # why this committed step is the job's last, the same on every rank
+    cadence: tuple[float | None, float | None] = (None, None)  # the ranks' mean step and last save stall, agreed
 
 
 class MetricsSink(Protocol):
@@ -81,8 +82,9 @@ class MetricsSink(Protocol):
 
 # compute(step, global microbatch indices, loss divisor): forward/backward them, gradients accumulate in place
 ComputeFn = Callable[[int, Sequence[int], int], LocalWork]
-# write(writer, barrier, publisher, extra_state): save the committed state of the current step
-CheckpointWriter = Callable[[bool, Callable[[], None], bool, "dict | None"], None]
+# write(writer, barrier, publisher, extra_state, writers): save the committed state of the current step; ``writers``:
+# how many ranks write it (the publisher waits for that many, not for the ones a folder listing happens to show)
+CheckpointWriter = Callable[[bool, Callable[[], None], bool, "dict | None", int], None]
 
 
 @dataclass
@@ -96,6 +98,7 @@ class StepServices:
     # recycling: drop the model of the replica this rank left / build its new coordinate's over a parallel context
     release_replica: Callable[[], None] = lambda: None
     rebuild_replica: Callable[[Any], None] = lambda parallel_context: None
+    save_stall: Callable[[], "float | None"] = lambda: None  # this rank's wall time of its last checkpoint save
 
 
 @dataclass

@@ -121,7 +121,7 @@ class StockDataParallel(DataParallelStrategy):
     def save_checkpoint(self, step: int, write: CheckpointWriter, services: StepServices,
                         extra_state: dict | None = None) -> None:
         # every rank writes its part (nanotron's serialize filters dp>0 itself); rank 0 publishes
-        write(True, lambda: torch_dist.barrier(), self.world_rank == 0, extra_state)
+        write(True, lambda: torch_dist.barrier(), self.world_rank == 0, extra_state, torch_dist.get_world_size())
 
 
 def run_stock(config: RecoverConfig, run_dir: Path, timeout_s: float, launch: LaunchContract) -> int:

@@ -96,8 +96,9 @@ class RecoverTrainer:
         self.services = StepServices(
             compute=self.compute, fault_point=self._fault_point, metrics=self.metrics,
             last_record=lambda: self.last_record, release_replica=self._release_replica_state,
-            rebuild_replica=self._rebuild_replica_state,
+            rebuild_replica=self._rebuild_replica_state, save_stall=lambda: self._last_save_s,
         )
+        self._last_save_s: float | None = None  # this rank's wall time of its last save (the auto cadence's stall)
         self.grad_norm: float | None = None
         self.last_record: dict | None = None  # re-logged by a new logging rank if the old one died
 
@@ -282,9 +283,11 @@ class RecoverTrainer:
             # a background save: ended (its error raised: after the step's line, since the step is committed), or
             # given up
             self.checkpoints.poll(result.epoch)
-            if self.checkpoints.due(step):
+            if self.checkpoints.due(step, result.cadence):
                 self.dp.settle_snapshot()  # the step's snapshot whole before any checkpoint I/O: a failed save keeps it
                 self._at(Phase.CHECKPOINT)
+                if self.checkpoints.cadence is not None and self.metrics.enabled:
+                    self.metrics.log_event(self.checkpoints.cadence.event(step))
                 self.save_checkpoint(step, background=step < total)  # the last step's: written before the exit
                 saved = step
             if result.stop is not None:
@@ -319,6 +322,7 @@ class RecoverTrainer:
         snapshots wins when it is newer. A checkpoint that existed with none intact and no snapshot to take over
         ends the job for a person."""
         choice = self.checkpoints.choose(self.dp)
+        self.checkpoints.start_cadence(choice.step)
         if self.dp.startup_share()[0] == 0:
             settle_root(self.checkpoints.root, choice, say=lambda line: print(f"[nanotron-recover] {line}", flush=True))
         if choice.damaged and self.metrics.enabled:
@@ -384,12 +388,15 @@ class RecoverTrainer:
         self.dp.progress(step, Phase.CHECKPOINT)
         background = background and self.checkpoints.background and self.dp.saves_in_background
 
-        def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None) -> None:
+        def write(writer: bool, barrier: Callable[[], None], publisher: bool, extra: dict | None, writers: int) -> None:
             self.checkpoints.save(self, step, writer=writer, barrier=barrier, publisher=publisher, extra_state=extra,
+                                  writers=writers,
                                   fault_point=lambda phase: self._fault_point(step, phase), background=background,
                                   background_fault=lambda phase: self.injector.maybe_fail(step, phase))
 
+        started = time.perf_counter()
         self.dp.save_checkpoint(step, write, self.services, extra_state=extra_state)
+        self._last_save_s = time.perf_counter() - started  # what the save cost the training (the cadence's stall)
 
     def _clip(self) -> float | None:
         max_norm = self.config.optimizer.clip_grad

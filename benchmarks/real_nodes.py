@@ -18,6 +18,10 @@ folder against one failure-free run of the same config:
 * ``partition``: n2's link is down for 2 x the hang timeout, then up again.
 * ``partition_frozen``: n2's link goes down and its processes freeze; once the job runs on n1 alone, n2 is back
   (link up, processes thawed): its ranks of the first launch must be fenced before they write.
+* ``slurm_warm_relaunch`` and ``slurm_node_lost_regrow``: the first two as a Slurm job
+  (``scripts/slurm/recover_multi_node.sbatch``) on the same nodes, each running its own ``slurmd``
+  (``nanotron_recover.testbed.isolated_slurm``): the launcher runs in the batch script on n1, its standby is a second
+  job step, the lost node's ``slurmd`` goes with it and is started again with the node.
 
 Per scenario: the launcher's exit code, each launch (warm, replicas, nodes left out), the seconds from the previous
 job's end to the next launch's first committed step, the seconds from the fault to the first committed step of a
@@ -56,7 +60,11 @@ from nanotron_recover.run.run_folder import (  # noqa: E402
     record_external_fault,
 )
 from nanotron_recover.testbed import isolated_nodes as iso  # noqa: E402
+from nanotron_recover.testbed import isolated_slurm  # noqa: E402
 from tests.conftest import make_tiny_config  # noqa: E402
+from tests.slurm.test_sbatch import TERMINAL, Cluster  # noqa: E402
+
+MULTI_NODE = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "recover_multi_node.sbatch"
 
 HANG_S = 8.0
 NODE_BACK_S = 15.0
@@ -99,6 +107,10 @@ class Scenario:
     def steps(self) -> list[dict]:
         return read_metrics(self.run_dir)[0]
 
+    def node_back(self, node: str) -> None:
+        """A lost node started again, empty (a machine back from repair)."""
+        iso.start_node(self.bed, node)
+
     def standby_ready(self) -> bool:
         return any(r.get("event") == "standby_ready" for r in read_metrics_jsonl(self.run_dir))
 
@@ -117,6 +129,45 @@ class Scenario:
             self.proc.wait(timeout=30)
             self._reader.join(timeout=10)
         return self.proc.returncode
+
+
+class SlurmScenario(Scenario):
+    """The same, as a job of ``recover_multi_node.sbatch`` on the bed's Slurm (the launcher in the batch script on
+    n1); the run ends when the job does, its exit code Slurm's."""
+
+    def __init__(self, bed: iso.Bed, run_dir: Path, config: dict) -> None:
+        self.bed, self.run_dir = bed, run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = write_config(config, run_dir / "config.yaml")
+        self.cluster = Cluster(isolated_slurm.scratch(bed))
+        self.log = run_dir / "job.out"
+        env = {"CONFIG": str(config_path), "RUN_DIR": str(run_dir), "TRAIN_ARGS": "--synthetic-data",
+               "RECOVER_REPO": str(Path(__file__).resolve().parents[1]), "RECOVER_PYTHON": sys.executable,
+               "RECOVER_RESTART": "requeue", "MAX_RESTARTS": "2", "IN_PLACE_RESTARTS": "3",
+               "NANOTRON_RECOVER_NODE_PROBE_S": "5", "MPIRUN_ARGS": isolated_slurm.mpirun_args(bed)}
+        self.job = self.cluster.submit(MULTI_NODE, env=env, sbatch_args=["--nodes=2", "--ntasks-per-node=2",
+                                                                         f"--output={self.log}"])
+        self.output = []
+        self.fault_at = None
+        self.notes = {}
+
+    def node_back(self, node: str) -> None:
+        super().node_back(node)
+        isolated_slurm.start_slurmd(self.bed, node)
+
+    def run(self, act: Callable[["Scenario"], bool]) -> int:
+        deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+        acting, info = True, self.cluster.job(self.job)
+        while info.get("JobState") not in TERMINAL and time.monotonic() < deadline:
+            if acting:
+                acting = not act(self)
+            time.sleep(0.05)
+            info = self.cluster.job(self.job)
+        if info.get("JobState") not in TERMINAL:
+            subprocess.run(["scancel", str(self.job)], env=self.cluster.env, timeout=30)
+        self.output = self.log.read_text(errors="replace").splitlines(keepends=True) if self.log.exists() else []
+        self.notes.update(job_state=info.get("JobState"), restarts=info.get("Restarts"))
+        return int(info.get("ExitCode", "1:0").split(":")[0])
 
 
 def _once_ready(min_steps: int = 10) -> Callable[[Scenario], bool]:
@@ -150,7 +201,7 @@ def node_lost_regrow(s: Scenario) -> bool:
     if not _fault_once(s, _once_ready()(s), "lose-node-n2",
                        lambda: iso.kill_node(s.bed, "n2")) or time.time() - s.fault_at < NODE_BACK_S:
         return False
-    iso.start_node(s.bed, "n2")
+    s.node_back("n2")
     s.notes["node_back_after_s"] = round(time.time() - s.fault_at, 2)
     return True
 
@@ -187,7 +238,8 @@ def partition_frozen(s: Scenario) -> bool:
 
 
 SCENARIOS = {"warm_relaunch": warm_relaunch, "node_lost_regrow": node_lost_regrow, "partition": partition,
-             "partition_frozen": partition_frozen}
+             "partition_frozen": partition_frozen, "slurm_warm_relaunch": warm_relaunch,
+             "slurm_node_lost_regrow": node_lost_regrow}
 
 
 def measure(s: Scenario, code: int, reference: dict[int, float], started: float) -> dict:
@@ -249,15 +301,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  extra_args=["--synthetic-data"])
         want = {s["step"]: s["loss"] for s in reference.steps}
         record["failure_free_wall_s"] = round(reference.wall_s, 1)
+        scratch.chmod(0o755)  # the munge user of the Slurm scenarios walks into the cluster's folder
         for name in args.only or list(SCENARIOS):
-            bed = iso.up(scratch / "bed", [2, 2])
+            slurm = name.startswith("slurm_")
+            bed = isolated_slurm.up(scratch / "bed", 2, 2) if slurm else iso.up(scratch / "bed", [2, 2])
             try:
                 started = time.time()
-                scenario = Scenario(bed, Path(bed.shared) / name, config)
+                scenario = (SlurmScenario if slurm else Scenario)(bed, Path(bed.shared) / name, config)
                 code = scenario.run(SCENARIOS[name])
                 record["scenarios"][name] = measure(scenario, code, want, started)
             finally:
-                iso.down(scratch / "bed")
+                isolated_slurm.down(scratch / "bed")
             summary = {k: record["scenarios"][name][k] for k in ("exit_code", "warm", "fault_to_next_launch_step_s",
                                                                  "max_abs_dloss", "microbatches_per_step")}
             print(f"{name}: {json.dumps(summary)}; fenced writes {len(record['scenarios'][name]['fenced_writes'])}",

@@ -19,6 +19,11 @@
 # cred_expire (CLUSTER_CRED_EXPIRE, default 5 s; Slurm default 120 s) is also how long a requeued job waits
 # before it may start again.
 # Clients need SLURM_CONF=<scratch_dir>/slurm.conf (see `env`).
+# Isolated nodes (nanotron_recover.testbed.isolated_nodes: each node its own namespaces and address): with
+# CLUSTER_NODE_PREFIX=10.213.<bed>. node nI is NodeHostname nI at <prefix>I, slurmctld listens on the host's bridge
+# address CLUSTER_CTLD_ADDR, and CLUSTER_SLURMD_IN names the command that runs a command inside a node (each slurmd
+# then lives in its node: `... exec <bed> nI -- slurmd ...`). Their pid files hold pids of the nodes' namespaces:
+# `down` leaves the slurmds to the bed's teardown, which ends every process of a node.
 set -euo pipefail
 
 usage() { echo "usage: $0 up|down|status|env <scratch_dir>" >&2; exit 2; }
@@ -47,7 +52,11 @@ write_conf() {
         node_lines=""
         for i in $(seq 1 "$nodes"); do
             mkdir -p "$scratch/spool/n$i"
-            node_lines+="NodeName=n$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus RealMemory=1 State=UNKNOWN"$'\n'
+            if [[ -n ${CLUSTER_NODE_PREFIX:-} ]]; then
+                node_lines+="NodeName=n$i NodeHostname=n$i NodeAddr=${CLUSTER_NODE_PREFIX}$i Port=$(free_port) CPUs=$cpus RealMemory=1 State=UNKNOWN"$'\n'
+            else
+                node_lines+="NodeName=n$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus RealMemory=1 State=UNKNOWN"$'\n'
+            fi
         done
         partition_nodes="n[1-$nodes]"
         slurmd_files="SlurmdSpoolDir=$scratch/spool/%n
@@ -63,7 +72,7 @@ SlurmdLogFile=$scratch/log/slurmd.log"
     cat >"$conf" <<EOF
 # written by scripts/slurm/cluster.sh: a throwaway cluster on one machine
 ClusterName=recover
-SlurmctldHost=$host
+SlurmctldHost=$host${CLUSTER_CTLD_ADDR:+($CLUSTER_CTLD_ADDR)}
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 SlurmUser=root
@@ -146,7 +155,10 @@ cmd_up() {
     slurmctld -f "$conf" -i -c
     local nodes=${CLUSTER_NODES:-1} i
     if (( nodes > 1 )); then
-        for i in $(seq 1 "$nodes"); do slurmd -f "$conf" -N "n$i"; done
+        for i in $(seq 1 "$nodes"); do
+            # shellcheck disable=SC2086 # CLUSTER_SLURMD_IN is a command line
+            ${CLUSTER_SLURMD_IN:+$CLUSTER_SLURMD_IN n$i --} slurmd -f "$conf" -N "n$i"
+        done
     else
         slurmd -f "$conf"
     fi
@@ -173,8 +185,13 @@ stop_pidfiles() {  # stop_pidfiles <pidfile>...: SIGTERM them all, wait up to 5 
 }
 
 cmd_down() {
-    # by the pids in the daemons' own pid files, never by name
-    stop_pidfiles "$scratch"/run/slurmd*.pid "$scratch/run/slurmctld.pid" "$scratch/munge/log/munged.pid"
+    # by the pids in the daemons' own pid files, never by name; an isolated node's slurmd ends with its node
+    if [[ -n ${CLUSTER_SLURMD_IN:-} ]]; then
+        stop_pidfiles "$scratch/run/slurmctld.pid" "$scratch/munge/log/munged.pid"
+        rm -f "$scratch"/run/slurmd*.pid
+    else
+        stop_pidfiles "$scratch"/run/slurmd*.pid "$scratch/run/slurmctld.pid" "$scratch/munge/log/munged.pid"
+    fi
     echo "slurm cluster in $scratch down"
 }
 

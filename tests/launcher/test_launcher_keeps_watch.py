@@ -35,6 +35,7 @@ from tests.launcher.test_relaunch import standby_ranks, stop_once_the_relaunch_t
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 300
+LONG = 20000  # steps the standby tests' runs never reach: each is stopped once its relaunch trains
 
 
 def config(tmp_path: Path, steps: int, **ft) -> dict:
@@ -110,7 +111,7 @@ def test_a_stop_signal_while_the_launcher_waits_for_its_standby_starts_no_launch
 def test_a_standby_that_lost_a_rank_is_not_waited_for(tmp_path):
     """One rank of the ready standby SIGKILLed (its mpirun lives on: a standby runs under ULFM too) at the moment
     the job's mpirun is lost: the next launch starts within 15 s, cold, and trains (the test then stops it)."""
-    cfg = config(tmp_path, 6000)
+    cfg = config(tmp_path, LONG)
     with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
         wait_for_ready_standby(proc, ranks=2)
         os.kill(_a_standby_rank(proc.pid), signal.SIGKILL)
@@ -124,7 +125,7 @@ def test_a_standby_that_lost_a_rank_is_not_waited_for(tmp_path):
 def test_a_standby_that_lost_a_rank_is_replaced_and_the_relaunch_is_warm(tmp_path):
     """One rank of the ready standby SIGKILLed: the launcher replaces the standby; the job's mpirun lost once the
     replacement is ready: the next launch is warm, within 15 s."""
-    cfg = config(tmp_path, 8000)
+    cfg = config(tmp_path, LONG)
     with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
         wait_for_ready_standby(proc, ranks=2)
         first = set(standby_ranks(proc.pid).values())
@@ -161,7 +162,7 @@ def test_a_stop_signal_that_reaches_only_the_ranks_is_the_launchers_stop_too(tmp
     """``scancel --signal=TERM`` (no ``--batch``) signals the job's steps, not the batch script: the ranks (and
     the waiting standby's) get SIGTERM, the launcher does not. The ranks stop at a step boundary (exit 3); the
     launcher must not relaunch in place what the scheduler asked to stop: exit 3, one launch."""
-    cfg = config(tmp_path, 6000)
+    cfg = config(tmp_path, LONG)
     with launched(tmp_path, cfg, restarts=2) as (proc, run_dir, log):
         wait_for_ready_standby(proc, ranks=2)
         ranks = [*rank_pids(run_dir).values(), *(p for p in standby_ranks(proc.pid)
@@ -202,7 +203,7 @@ def test_a_standby_whose_logging_rank_runs_wandbs_service_is_not_taken_for_broke
     process with the rank's environment. The launcher's watch over the standby's ranks must not take that child for
     the rank (seen: every standby called broken, every relaunch cold): the relaunch after the job is lost is warm."""
     monkeypatch.setenv("WANDB_MODE", "offline")
-    with launched(tmp_path, config(tmp_path, 6000), restarts=1) as (proc, run_dir, log):
+    with launched(tmp_path, config(tmp_path, LONG), restarts=1) as (proc, run_dir, log):
         wait_for_ready_standby(proc, ranks=2)
         time.sleep(3.0)  # several looks at the standby's ranks
         took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)

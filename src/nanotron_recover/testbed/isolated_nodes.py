@@ -453,10 +453,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("ps", "each node's state and processes"), ("down", "tear everything down")]:
         sub.add_parser(name, help=text).add_argument("folder", type=Path)
     for name, text in [("kill", "lose a node: SIGKILL every process in it"), ("partition", "take its link down"),
-                       ("heal", "bring its link up again"), ("restart", "start a lost node again, empty")]:
+                       ("heal", "bring its link up again"), ("restart", "start a lost node again, empty"),
+                       ("exec", "run a command inside a node (a daemon it starts stays there: e.g. slurmd)")]:
         one = sub.add_parser(name, help=text)
         one.add_argument("folder", type=Path)
         one.add_argument("node", help="n1, n2, ...")
+        if name == "exec":
+            one.add_argument("argv", nargs=argparse.REMAINDER, help="the command (after --)")
     return parser
 
 
@@ -478,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"isolated_nodes: no bed in {args.folder}", file=sys.stderr)
         return 1
     try:
+        if args.command == "exec":
+            argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+            return in_node(bed, args.node, argv, capture_output=False).returncode
         return _act(bed, args.command, getattr(args, "node", ""))
     except (ProcessLookupError, TimeoutError, RuntimeError, KeyError) as e:
         print(f"isolated_nodes: {e}", file=sys.stderr)

@@ -224,6 +224,12 @@ ROWS: tuple[Row, ...] = (
         "{partition_frozen_fenced_writes}",
         "seconds: the old job's end (first) or the fault (others) to the next launch's first step; warm: each "
         "relaunch (the last a regrow); every scenario exit 0, M every step, the failure-free losses"),
+    Row("real_nodes", "the same nodes as a 2-node Slurm cluster (a slurmd inside each node): the job's daemon on n2 "
+        "lost; node n2 lost with its slurmd, back 15 s later",
+        "{slurm_warm_relaunch_previous_end_to_first_step_s:.1f} s (warm: {slurm_warm_relaunch_warm}); "
+        "{slurm_node_lost_regrow_fault_to_next_launch_step_s:.1f} s on n1 (warm: {slurm_node_lost_regrow_warm})",
+        "`recover_multi_node.sbatch`, the launcher in the batch script on n1, its standby a second job step; "
+        "seconds as above; every scenario exit 0, M every step, the failure-free losses, no fenced write"),
     Row("async_checkpoint", "a checkpoint save in the step / in the background: the saving step over a plain one; "
         "the step after a background save", "{sync_save_step_ratio:.2f} / **{async_save_step_ratio:.2f}**; "
         "{async_next_step_ratio:.2f}", "stall per save {sync_stall_ms:.0f} / {async_stall_ms:.0f} ms, the "

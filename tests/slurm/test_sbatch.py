@@ -211,9 +211,11 @@ def test_the_time_limit_warning_stops_the_job_at_a_step_and_the_requeued_job_com
         cluster: Cluster, tmp_path: Path) -> None:
     """What ``#SBATCH --signal=B:USR1@60`` does a minute before the time limit: SIGUSR1 to the batch script, which
     passes it on to mpirun and the ranks; the job stops after a step with its snapshot, exit 3, and is requeued."""
-    steps = 400  # ~7 ms each: seconds of training, time enough to signal in the middle
+    steps = 1500  # ~7 ms each: ~10 s of training, time enough to signal in the middle (with 400, a loaded machine
+    # delivered the signal after the last step)
     raw = make_tiny_config(dp=2, steps=steps, accumulation=2, layers=2,
                            fault_tolerance={"enabled": True, "local_snapshot_dir": str(tmp_path / "shm")})
+    reference = run_training(raw, tmp_path / "reference", timeout_s=150, extra_args=["--synthetic-data"])  # alone
     config = write_config(raw, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
@@ -222,7 +224,6 @@ def test_the_time_limit_warning_stops_the_job_at_a_step_and_the_requeued_job_com
     while time.monotonic() < deadline and not [s for s in read_metrics(run_dir)[0] if s["step"] >= 20]:
         time.sleep(0.02)
     subprocess.run(["scancel", "--signal=USR1", "-b", str(job)], env=cluster.env, timeout=30, check=True)
-    reference = run_training(raw, tmp_path / "reference", timeout_s=150, extra_args=["--synthetic-data"])
     info = cluster.wait(job, timeout_s=240)
     output = log.read_text() if log.exists() else ""
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])

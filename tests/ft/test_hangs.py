@@ -85,7 +85,7 @@ def mpi_notice_s(result: RunResult) -> float:
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
-# backward is compute like forward and the optimizer (tests/ft/test_hangs_across_nodes.py freezes a rank there)
+# backward is compute like forward and the optimizer (tests/multinode/test_hangs_across_nodes.py freezes a rank there)
 @pytest.mark.parametrize("phase, rank", [("forward", 0), ("reduce", 2), ("optimizer", 3)])
 def test_a_frozen_rank_is_killed_and_the_step_recovered(phase, rank, tiny_config, reference, tmp_path):
     """SIGSTOP in each phase, on ranks of different (pp, tp) coordinates. In forward, the frozen rank's TP peer

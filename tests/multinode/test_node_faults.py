@@ -1,12 +1,13 @@
-"""Faults across (fake) nodes: one real ``prted`` per node (``nanotron_recover.testbed.fake_nodes``), real SIGKILLs.
+"""Faults across isolated nodes (``nanotron_recover.testbed.isolated_nodes``: each node its own namespaces, /tmp,
+/dev/shm, hostname and address; ``tmp_path`` the shared file system), real SIGKILLs.
 
-1. 2 nodes x 4 ranks, 2 replicas x TP2 x PP2: ranks fill the nodes with whole replicas (checked from the live
-   processes); one rank on node 2 is SIGKILLed in backward -> in-step recovery exactly as on one node.
-2. 3 nodes, 3 replicas x TP2: node 3 is lost whole (its prted and its ranks). On this Open MPI that ends the whole
-   job with mpirun returning 0; the launcher judges the run and exits 3 (restart). The relaunch on the 2 nodes
-   left (``--replicas 2``: M kept by raising the accumulation) resumes from latest.txt; it then loses node 2 too,
-   and a relaunch at full size (the nodes "replaced") resumes again and finishes. Every step's loss equals the
-   failure-free run's; each loss costs at most a checkpoint interval of steps.
+1. 2 nodes x 4 ranks, 2 replicas x TP2 x PP2: ranks fill the nodes with whole replicas (checked from the nodes'
+   pid namespaces); one rank on node 2 is SIGKILLed in backward -> in-step recovery exactly as on one node.
+2. 3 nodes, 3 replicas x TP2: node 3 is lost whole (its init SIGKILLed: every process and its memory). On this Open
+   MPI that ends the whole job; the launcher judges the run and exits 3 (restart). The relaunch on the 2 nodes left
+   (``--replicas 2``: M kept by raising the accumulation) resumes from latest.txt; it then loses node 2 too, and a
+   relaunch at full size (nodes 2 and 3 replaced: started again, empty) resumes again and finishes. Every step's
+   loss equals the failure-free run's; each loss costs at most a checkpoint interval of steps.
 
 Each launch has a hard timeout; the whole process group is SIGKILLed when it runs over.
 """
@@ -20,15 +21,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 
-from nanotron_recover.launcher.runs import rank_pids, run_training, write_config
+from nanotron_recover.launcher.runs import run_training, write_config
 from nanotron_recover.run.exit_codes import EXIT_RESTART
 from nanotron_recover.run.outcome import OUTCOMES_FILE, run_outcome
 from nanotron_recover.run.run_folder import latest_checkpoint_step, read_exits, read_metrics, read_metrics_jsonl
-from nanotron_recover.testbed.fake_nodes import kill_node, node_ranks, write_bed
+from nanotron_recover.testbed import isolated_nodes as iso
+from tests.multinode.conftest import placement as placement_now
+from tests.multinode.conftest import ranks_in_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +41,19 @@ TIMEOUT_S = 240
 
 
 class PlacementWatch:
-    """Poll the live processes in a thread until every rank was seen on some node: ``seen`` = {node: world ranks}."""
+    """Poll the nodes' pid namespaces in a thread until every rank was seen in some node: ``seen`` = {node: ranks}."""
 
-    def __init__(self, bed: Path, nodes: list[str], world_size: int) -> None:
+    def __init__(self, bed: iso.Bed, world_size: int) -> None:
         self.seen: dict[str, list[int]] = {}
         self._stop = threading.Event()
-        self._args = (bed, nodes, world_size)
+        self._args = (bed, world_size)
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
-        bed, nodes, world_size = self._args
+        bed, world_size = self._args
         while not self._stop.is_set():
-            now = {n: node_ranks(bed, n) for n in nodes}
+            now = placement_now(bed)
             if sum(len(r) for r in now.values()) == world_size:
                 self.seen = now
                 return
@@ -63,7 +67,7 @@ class PlacementWatch:
 
 # ------------------------------------------------------------------------------ 1. a rank lost on another node
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-def test_a_rank_lost_on_node_2_is_recovered_in_step(tiny_config, tmp_path, monkeypatch):
+def test_a_rank_lost_on_node_2_is_recovered_in_step(tiny_config, tmp_path, monkeypatch, isolated_bed):
     steps, fail_step = 6, 3
 
     def config(inject: list[dict]) -> dict:
@@ -71,10 +75,10 @@ def test_a_rank_lost_on_node_2_is_recovered_in_step(tiny_config, tmp_path, monke
             "enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120, "inject": inject})
 
     reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
-    bed = tmp_path / "bed"
-    for key, value in write_bed(bed, [4, 4]).items():
+    bed = isolated_bed([4, 4])
+    for key, value in iso.launch_env(Path(bed.folder)).items():
         monkeypatch.setenv(key, value)
-    watch = PlacementWatch(bed, ["n1", "n2"], 8)
+    watch = PlacementWatch(bed, 8)
     # replica 1 = world ranks 4..7 on node 2; its local rank 3 (pp 1, tp 1) dies
     inject = [{"step": fail_step, "replica": 1, "rank": 3, "phase": "backward"}]
     try:
@@ -114,21 +118,22 @@ def _node_config(tiny_config) -> dict:
 SPAWN_FAILED = "A daemon failed to report back after being spawned"
 
 
-def _launch_and_lose(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
-                     after_steps: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
-    """Launch on the bed; once this launch logged ``after_steps`` steps, lose ``node`` whole.
-    -> (proc, output, kill time, placement).
+def _launch_and_lose(config_path: Path, run_dir: Path, bed: iso.Bed, nodes: list[str], node: str,
+                     after_steps: int, extra: list[str], lose: Callable[[iso.Bed, str], object] = iso.kill_node
+                     ) -> tuple[subprocess.Popen, str, float, dict]:
+    """Launch on ``nodes`` of the bed; once this launch logged ``after_steps`` steps, lose ``node`` (whole, or as
+    ``lose`` says). -> (proc, output, kill time, placement).
 
-    A launch whose fake-node daemon never came up (PRRTE's "failed to report back", seen once in a full suite run,
-    exit status 213, before any rank started) is the bed's problem, not the run's: it is retried once."""
+    A launch whose node daemon never came up (PRRTE's "failed to report back", seen once in a full suite run on the
+    shared-host bed, exit status 213, before any rank started) is the bed's problem, not the run's: retried once."""
     hangs_before = len(_hangs(run_dir))
     try:
-        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_steps, extra)
+        launched = _launch_and_lose_once(config_path, run_dir, bed, nodes, node, after_steps, extra, lose)
     except AssertionError as error:
         if SPAWN_FAILED not in str(error) or read_metrics(run_dir)[0]:
             raise
-        print("[test bed] a fake-node daemon did not come up; launching again", flush=True)
-        launched = _launch_and_lose_once(config_path, run_dir, bed_env, bed, node, after_steps, extra)
+        print("[test bed] a node daemon did not come up; launching again", flush=True)
+        launched = _launch_and_lose_once(config_path, run_dir, bed, nodes, node, after_steps, extra, lose)
     hangs = _hangs(run_dir)[hangs_before:]
     if hangs:
         raise UnplannedHang(f"hang events in a launch: {hangs}")
@@ -139,13 +144,15 @@ def _hangs(run_dir: Path) -> list[dict]:
     return [e for e in read_metrics(run_dir)[1] if e.get("event") == "hang_detected"] if run_dir.exists() else []
 
 
-def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, str], bed: Path, node: str,
-                          after_steps: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict]:
+def _launch_and_lose_once(config_path: Path, run_dir: Path, bed: iso.Bed, nodes: list[str], node: str,
+                          after_steps: int, extra: list[str], lose: Callable[[iso.Bed, str], object]
+                          ) -> tuple[subprocess.Popen, str, float, dict]:
     started = time.time()
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **bed_env}, start_new_session=True)
+                            env={**os.environ, **iso.launch_env(Path(bed.folder), nodes)}, start_new_session=True,
+                            cwd=bed.shared)
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
@@ -154,8 +161,8 @@ def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, s
         while proc.poll() is None and time.monotonic() < deadline:
             steps = [s for s in read_metrics(run_dir)[0] if s["time"] >= started]
             if killed_at is None and len(steps) >= after_steps:
-                placement = {n.stem: node_ranks(bed, n.stem) for n in sorted(bed.glob("n*.pid"))}
-                kill_node(bed, node)
+                placement = placement_now(bed)
+                lose(bed, node)
                 killed_at = time.time()
             time.sleep(0.02)
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -170,47 +177,46 @@ def _launch_and_lose_once(config_path: Path, run_dir: Path, bed_env: dict[str, s
     reader.join(timeout=30)
     text = "".join(output)
     assert killed_at is not None, f"the job ended before {after_steps} steps:\n{text[-4000:]}"
-    _assert_nothing_outlived_the_launcher(run_dir, text)
+    _assert_nothing_outlived_the_launcher(run_dir, text, bed)
     return proc, text, killed_at, placement
 
 
-def _assert_nothing_outlived_the_launcher(run_dir: Path, output: str) -> None:
+def _assert_nothing_outlived_the_launcher(run_dir: Path, output: str, bed: iso.Bed) -> None:
     """The launcher judged the run only once its ranks had ended: no rank is left, and nothing was written into the
     run folder after its verdict (seen before the launcher waited for them: survivors of the teardown committed
     steps and a checkpoint after the verdict, and a next launch resumed from it)."""
-    assert not rank_pids(run_dir), (rank_pids(run_dir), output[-4000:])
+    assert not ranks_in_nodes(bed, run_dir), (ranks_in_nodes(bed, run_dir), output[-4000:])
     verdict_at = max(r["time"] for r in read_metrics_jsonl(run_dir / OUTCOMES_FILE))
     written_at = max(r.get("time", 0.0) for r in read_metrics_jsonl(run_dir))
     assert written_at <= verdict_at, (written_at - verdict_at, output[-4000:])
 
 
 @pytest.mark.timeout(7 * TIMEOUT_S + 60)
-def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(tiny_config, tmp_path, monkeypatch):
+def test_a_lost_node_ends_the_job_and_the_relaunch_resumes_the_same_trajectory(tiny_config, tmp_path, monkeypatch,
+                                                                                isolated_bed):
     reference = run_training(_node_config(tiny_config), tmp_path / "ref", timeout_s=TIMEOUT_S,
                              extra_args=["--synthetic-data"])
     try:
-        _lose_nodes(tiny_config, tmp_path / "try1", monkeypatch, reference)
+        _lose_nodes(tiny_config, tmp_path / "try1", monkeypatch, reference, isolated_bed([2, 2, 2]))
     except UnplannedHang as hang:
         # seen once in a full suite run: two healthy ranks stuck 30 s in one launch, so the scenario (which
         # replicas each node loss takes) was not the planned one; their stacks are kept, the scenario runs again
         print(f"\n[test bed] {hang}; running the scenario again", flush=True)
-        _lose_nodes(tiny_config, tmp_path / "try2", monkeypatch, reference)
+        _lose_nodes(tiny_config, tmp_path / "try2", monkeypatch, reference, isolated_bed([2, 2, 2]))
 
 
 class UnplannedHang(AssertionError):
     """A launch of the node-loss scenario had a hang that the scenario did not plan (the hang monitor acted)."""
 
 
-def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
+def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference, bed: iso.Bed) -> None:
     want = {s["step"]: s["loss"] for s in reference.steps}
     run_dir = tmp_path / "run"
     config_path = write_config(_node_config(tiny_config), run_dir / "config.yaml")
     report = []
 
     # --- 3 nodes; node 3 (replica 2) is lost after step 4
-    bed3 = tmp_path / "bed3"
-    proc, out, lost_at, placement = _launch_and_lose(config_path, run_dir, write_bed(bed3, [2, 2, 2]), bed3, "n3",
-                                                     4, [])
+    proc, out, lost_at, placement = _launch_and_lose(config_path, run_dir, bed, ["n1", "n2", "n3"], "n3", 4, [])
     assert placement == {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}, placement
     assert proc.returncode == EXIT_RESTART, (proc.returncode, out[-4000:])  # mpirun itself returned 0
     assert "ended before its last step" in out, out[-4000:]
@@ -224,10 +230,9 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
     assert ckpt1 is not None and 0 <= lost1 <= INTERVAL, (ckpt1, first_steps[-1])
 
     # --- relaunch on the 2 nodes left: 2 replicas, accumulation 3 (M = 6 kept); it loses node 2 after 3 steps
-    bed2 = tmp_path / "bed2"
     relaunched = time.time()
-    proc, out, lost2_at, placement = _launch_and_lose(config_path, run_dir, write_bed(bed2, [2, 2]), bed2, "n2",
-                                                      3, ["--replicas", "2"])
+    proc, out, lost2_at, placement = _launch_and_lose(config_path, run_dir, bed, ["n1", "n2"], "n2", 3,
+                                                      ["--replicas", "2"])
     assert placement == {"n1": [0, 1], "n2": [2, 3]}, placement
     assert proc.returncode == EXIT_RESTART, (proc.returncode, out[-4000:])
     assert f"at step {ckpt1}" in out, out[-4000:]  # "resumed from .../checkpoints/<ckpt1> at step <ckpt1>"
@@ -248,9 +253,10 @@ def _lose_nodes(tiny_config, tmp_path: Path, monkeypatch, reference) -> None:
     report.append(f"node 3 lost after step {before(first_steps, lost_at)}: resumed from {ckpt1} on 2 nodes, "
                   f"{lost1} step(s) lost, training again {again1:.1f} s after the loss")
 
-    # --- relaunch at full size (the nodes replaced): 3 replicas again, to the end
-    bed3b = tmp_path / "bed3b"
-    for key, value in write_bed(bed3b, [2, 2, 2]).items():
+    # --- relaunch at full size (nodes 2 and 3 replaced: same names and addresses, empty memory): 3 replicas again
+    for lost in ("n2", "n3"):
+        iso.start_node(bed, lost)
+    for key, value in iso.launch_env(Path(bed.folder)).items():
         monkeypatch.setenv(key, value)
     relaunched, hangs_before = time.time(), len(_hangs(run_dir))
     final = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])

@@ -1,5 +1,4 @@
-"""Launching on many nodes, without MPI: where replicas land, the launcher's flags and verdict, ``--replicas``,
-and the fake-node bed's own processes (a real process tree, a real SIGKILL)."""
+"""Launching on many nodes, without MPI: where replicas land, the launcher's flags and verdict, ``--replicas``."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import argparse
 import json
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,6 @@ from nanotron_recover.launcher import launch
 from nanotron_recover.launcher.mpirun import hostfile_slots, replica_nodes, replica_placement, slurm_tasks_per_node
 from nanotron_recover.launcher.runs import write_config
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESTART
-from nanotron_recover.testbed.fake_nodes import kill_node, node_pids, write_bed
-from nanotron_recover.testbed.fake_nodes import main as fake_nodes_main
 
 
 # ------------------------------------------------------------------------------------------------ placement
@@ -113,32 +109,6 @@ def test_the_launcher_exit_code_is_judged_from_the_run_dir(tmp_path, tiny_config
         (tmp_path / "checkpoints").mkdir()
         (tmp_path / "checkpoints" / "latest.txt").write_text(f"{saved}\n")
     assert launch._judge(tmp_path, config, rc) == code
-
-
-# ------------------------------------------------------------------------------------------------ the bed
-def test_the_fake_ssh_agent_runs_a_node_here_and_kill_node_ends_its_whole_tree(tmp_path, capsys):
-    assert fake_nodes_main(["up", str(tmp_path), "--nodes", "2", "--slots", "3"]) == 0
-    exports = capsys.readouterr().out
-    assert f"NANOTRON_RECOVER_HOSTFILE={tmp_path / 'hostfile'}" in exports and "plm_ssh_agent" in exports
-    assert (tmp_path / "hostfile").read_text() == "n1 slots=3\nn2 slots=3\n"
-    env = write_bed(tmp_path, [3, 3])
-    agent = env["NANOTRON_RECOVER_MPIRUN_ARGS"].split()[2]
-    # as prterun calls ssh: options, the host, then the command
-    node = subprocess.Popen([agent, "-o", "BatchMode=yes", "-p", "22", "-x", "n2", "sleep 60 & sleep 60; wait"])
-    try:
-        deadline = time.monotonic() + 20
-        while len(node_pids(tmp_path, "n2")) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = node_pids(tmp_path, "n2")
-        assert len(pids) == 3 and node.pid in pids, pids  # the shell and its two children
-        assert sorted(kill_node(tmp_path, "n2")) == sorted(pids)  # no prted here: the whole tree
-        assert node.wait(timeout=20) == -9
-        assert node_pids(tmp_path, "n2") == []
-        assert fake_nodes_main(["kill", str(tmp_path), "n2"]) == 1  # nothing left to kill
-    finally:
-        if node.poll() is None:
-            node.kill()
-            node.wait(timeout=20)
 
 
 def test_the_sbatch_helper_warns_when_slurm_tasks_per_node_split_a_replica(tmp_path, tiny_config):

@@ -1,12 +1,14 @@
 """Two quick tear-downs leave two different files for one (coordinate, step); the next launch loads one of them on
 every rank (issue #23, item 3).
 
-The fake-node bed, 2 nodes x 2 slots, 2 replicas x TP2 (one replica a node):
+Two isolated nodes x 2 slots (each its own /dev/shm, where the snapshots are), 2 replicas x TP2 (one replica a
+node). A "lost" node here loses its processes, not its memory (a crashed daemon, an OOM kill: every process of the
+node but its init SIGKILLed), so that its files outlive the job:
 
 1. launch 1 (history H1) loses node 2 after step 2: the job ends; both nodes hold H1's newest snapshots. (Steps
    take ~0.1 s; node 1's replica repairs and trains on until PRRTE's teardown, once seen in CI past the last of 8
    steps, which deletes a finished run's snapshots: hence 16 steps, the loss early, and one more try.)
-2. Node 1's snapshots are gone (as if the node were replaced); launch 2 runs on node 1 alone (``--replicas 1``, M
+2. Node 1 is replaced (killed and started again: its memory empty); launch 2 runs on node 1 alone (``--replicas 1``, M
    kept: another summation order, so other bytes), from scratch, and its node is lost as soon as it holds, whole,
    a step k that node 2 holds whole from launch 1. Both nodes' files newer than k are dropped (as if the losses
    hit those writes).
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -36,7 +37,7 @@ from nanotron_recover.snapshots.catalog import scan
 from nanotron_recover.snapshots.format import payload_checksum
 from nanotron_recover.snapshots.settings import SnapshotSettings
 from nanotron_recover.snapshots.store import config_hash, snapshot_folder
-from nanotron_recover.testbed.fake_nodes import kill_node, write_bed
+from nanotron_recover.testbed import isolated_nodes as iso
 from tests.multinode.test_node_faults import TIMEOUT_S, _launch_and_lose
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S + 60)]
@@ -45,8 +46,12 @@ RESUMED = re.compile(r"resumed from the local snapshot of step (\d+) \(history (
                      r"checksum of ([^;]+);")
 
 
-def folder_of(config, run: str, node: str, monkeypatch=None) -> Path:
-    return snapshot_folder(SnapshotSettings.of(config, node=node), run)
+SHM = "/dev/shm/nr-test-snapshots"  # each node's own memory
+
+
+def folder_of(config, run: str, bed: iso.Bed, node: str) -> Path:
+    """Node ``node``'s snapshot folder of ``run``, as the host reads it (through the node's root)."""
+    return iso.node_path(bed, node, snapshot_folder(SnapshotSettings.of(config, node=node), run))
 
 
 def whole_steps(snaps, history: str | None = None) -> dict[tuple[str, int], dict[int, int]]:
@@ -57,14 +62,14 @@ def whole_steps(snaps, history: str | None = None) -> dict[tuple[str, int], dict
     return {k: v for k, v in held.items() if len(v) == 2 and (history is None or k[0] == history)}
 
 
-def launch_and_lose_when(config_path: Path, run_dir: Path, bed: Path, node: str, ready: Callable[[], bool],
+def launch_and_lose_when(config_path: Path, run_dir: Path, bed: iso.Bed, node: str, ready: Callable[[], bool],
                          extra: list[str]) -> str:
-    """Launch on a one-node ``bed``; once ``ready()``, lose ``node``. -> the output."""
+    """Launch on ``node`` alone; once ``ready()``, lose its processes. -> the output."""
     cmd = [sys.executable, "-m", "nanotron_recover.launcher.launch", "train", "--config-file", str(config_path),
            "--run-dir", str(run_dir), "--synthetic-data", *extra]
-    env = {**os.environ, **write_bed(bed, [2])}
+    env = {**os.environ, **iso.launch_env(Path(bed.folder), [node])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, cwd=bed.shared)
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
@@ -72,7 +77,7 @@ def launch_and_lose_when(config_path: Path, run_dir: Path, bed: Path, node: str,
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             if not lost and ready():
-                kill_node(bed, node)
+                iso.kill_processes(bed, node)
                 lost = True
             time.sleep(0.02)
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -85,20 +90,20 @@ def launch_and_lose_when(config_path: Path, run_dir: Path, bed: Path, node: str,
     return "".join(output)
 
 
-def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_path, monkeypatch):
+def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_path, monkeypatch, isolated_bed):
     raw = tiny_config(dp=2, tp=2, accumulation=2, steps=STEPS, layers=2,
                       fault_tolerance={"enabled": True, "reduce_bucket_mb": 0.01, "collective_timeout_s": 120,
-                                       "local_snapshot_dir": str(tmp_path / "shm"),
+                                       "local_snapshot_dir": SHM,
                                        "local_snapshot_interval": 1})  # every step: the scenario needs ties
     config = config_from_dict(raw)
     chash = config_hash(config)
+    bed = isolated_bed([2, 2])
     for attempt in (1, 2):
         run_dir = tmp_path / f"run{attempt}"
         config_path = write_config(raw, run_dir / "config.yaml")
-        bed = tmp_path / f"bed1-{attempt}"
-        _launch_and_lose(config_path, run_dir, write_bed(bed, [2, 2]), bed, "n2", 2, [])
+        _launch_and_lose(config_path, run_dir, bed, ["n1", "n2"], "n2", 2, [], lose=iso.kill_processes)
         run = run_id(run_dir)
-        n1, n2 = folder_of(config, run, "n1", monkeypatch), folder_of(config, run, "n2", monkeypatch)
+        n1, n2 = folder_of(config, run, bed, "n1"), folder_of(config, run, bed, "n2")
         if n1.is_dir():
             break
         print(f"\n[test bed] launch 1 finished on node 1 before the teardown (steps logged: "
@@ -107,7 +112,9 @@ def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_
     on_n2 = whole_steps(scan(n2, run, chash))
     assert on_n2, "node 2 holds a whole snapshot of launch 1"
     (h1,) = {history for history, _ in on_n2}
-    shutil.rmtree(n1)  # node 1 replaced: launch 2 starts from scratch
+    iso.kill_node(bed, "n1")  # node 1 replaced: launch 2 starts from scratch
+    iso.start_node(bed, "n1")
+    n1 = folder_of(config, run, bed, "n1")  # through its new init
 
     def both() -> set[int]:
         """Steps held whole by launch 2 on node 1 and by launch 1 on node 2."""
@@ -115,7 +122,7 @@ def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_
         return ({step for _, step in whole_steps(scan(n1, run, chash, quiet))}
                 & {step for _, step in on_n2})
 
-    launch_and_lose_when(config_path, run_dir, tmp_path / "bed2", "n1", lambda: bool(both()), ["--replicas", "1"])
+    launch_and_lose_when(config_path, run_dir, bed, "n1", lambda: bool(both()), ["--replicas", "1"])
     tie = both()
     assert tie, "the loss of launch 2 came after its writes had moved past launch 1's steps"
     k = max(tie)
@@ -127,7 +134,7 @@ def test_two_quick_teardowns_end_with_one_state_per_coordinate(tiny_config, tmp_
     (h2,) = {history for history, step in on_n1 if step == k}
     assert h2 > h1 and (h1, k) in on_n2, (on_n1, on_n2)  # step k twice, in two histories; H2 the later launch
 
-    for key, value in write_bed(tmp_path / "bed3", [2, 2]).items():
+    for key, value in iso.launch_env(Path(bed.folder)).items():
         monkeypatch.setenv(key, value)
     relaunched = time.time()
     result = run_training(config_path, run_dir, timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])

@@ -154,6 +154,32 @@ def test_a_killed_node_loses_every_process_and_restarts_empty(bed):
     assert _ask(bed, "n1", "n2", 7002, 1.0) == "ConnectionRefusedError"  # reachable again (nothing listens)
 
 
+@needs_namespaces
+@pytest.mark.timeout(60)
+def test_a_nodes_processes_killed_leave_the_node_and_its_memory_which_the_host_reads_through_its_root(bed):
+    _in(bed, "n2", "mkdir -p /dev/shm/kept && echo x > /dev/shm/kept/f")
+    assert iso.node_path(bed, "n2", "/dev/shm/kept/f").read_text() == "x\n"  # the node's own tmpfs, from the host
+    assert not iso.node_path(bed, "n1", "/dev/shm/kept").exists()
+    node = bed.nodes["n2"]
+    sleeper = subprocess.Popen(["nsenter", "-t", str(node.init), "-m", "-u", "-i", "-n", "-p", "--", "sleep", "600"])
+    deadline = time.monotonic() + 10
+    while len(iso.node_pids(node)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    inside = [p for p in iso.node_pids(node) if p != node.init]  # the sleep (nsenter itself stays on the host)
+    assert len(inside) == 1 and iso.kill_processes(bed, "n2") == inside
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    assert iso.node_alive(node) and iso.node_pids(node) == [node.init]
+    assert _in(bed, "n2", "cat /dev/shm/kept/f") == "x"  # a crashed process, not a lost machine
+
+
+def test_a_launch_on_some_nodes_gets_a_hostfile_of_those(bed):
+    env = iso.launch_env(Path(bed.folder), ["n2"])
+    assert Path(env[HOSTFILE_ENV]).read_text() == "n2 slots=2\n"
+    assert env[MPIRUN_ARGS_ENV] == iso.launch_env(Path(bed.folder))[MPIRUN_ARGS_ENV]
+    with pytest.raises(KeyError):
+        iso.launch_env(Path(bed.folder), ["n3"])
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "nanotron_recover.testbed.isolated_nodes", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)

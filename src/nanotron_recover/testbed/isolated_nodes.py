@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from nanotron_recover.launcher.launch import MPIRUN_ARGS_ENV
+from nanotron_recover.launcher.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV
 from nanotron_recover.run.procfs import proc_stat, process_is_gone
 from nanotron_recover.testbed.fake_nodes import SSH_ARGS, node_names, write_bed
 
@@ -320,9 +320,25 @@ def _write_launch_files(bed: Bed) -> dict[str, str]:
     return env
 
 
-def launch_env(folder: Path) -> dict[str, str]:
-    """``NANOTRON_RECOVER_HOSTFILE`` and ``NANOTRON_RECOVER_MPIRUN_ARGS`` for a launch on the bed in ``folder``."""
-    return json.loads((Path(folder) / "env.json").read_text())
+def launch_env(folder: Path, nodes: Sequence[str] | None = None) -> dict[str, str]:
+    """``NANOTRON_RECOVER_HOSTFILE`` and ``NANOTRON_RECOVER_MPIRUN_ARGS`` for a launch on the bed in ``folder``;
+    ``nodes``: on those nodes only (a hostfile of their own, as a job given fewer nodes has)."""
+    env = json.loads((Path(folder) / "env.json").read_text())
+    if nodes is not None:
+        bed = load(folder)
+        if bed is None or not set(nodes) <= set(bed.nodes):
+            raise KeyError(f"nodes {list(nodes)} are not all of the bed in {folder}")
+        slots = dict(zip(bed.nodes, bed.slots))
+        hostfile = Path(folder) / f"hostfile-{'-'.join(nodes)}"
+        hostfile.write_text("".join(f"{name} slots={slots[name]}\n" for name in nodes))
+        env[HOSTFILE_ENV] = str(hostfile)
+    return env
+
+
+def node_path(bed: Bed, name: str, path: str | Path) -> Path:
+    """``path`` as node ``name`` sees it, read from the host (through its init's root: its private /tmp and
+    /dev/shm included). Gone with the node."""
+    return Path(f"/proc/{bed.nodes[name].init}/root") / Path(path).relative_to("/")
 
 
 def node_alive(node: Node) -> bool:
@@ -387,6 +403,26 @@ def kill_node(bed: Bed, name: str, timeout_s: float = 10.0) -> list[int]:
             raise TimeoutError(f"processes of node {name} still alive {timeout_s} s after SIGKILL: {node_pids(node)}")
         time.sleep(0.01)
     _reap(node.unshare)
+    return pids
+
+
+def kill_processes(bed: Bed, name: str, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every process of node ``name`` but its init: what ran there dies (a crashed daemon, an OOM kill), the
+    node and its memory (/tmp, /dev/shm) stay. Returns the host pids killed."""
+    node = bed.nodes[name]
+    if not node_alive(node):
+        raise ProcessLookupError(f"node {name} of {bed.folder} is not running")
+    pids = [p for p in node_pids(node) if p != node.init]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while [p for p in node_pids(node) if p != node.init]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes of node {name} still alive {timeout_s} s after SIGKILL")
+        time.sleep(0.01)
     return pids
 
 

@@ -1,9 +1,9 @@
 """Hangs across nodes: a rank can only be killed from its own node.
 
-Two fake nodes (one real ``prted`` each, see ``fake_nodes.py``) with 2 ranks each; 2 replicas x TP2, replica r on
-node r+1. A frozen rank's first watcher is its coordinate peer on the other node: it asks the live rank on the
-frozen rank's node to kill it. When the whole node is frozen nobody can, and the job ends with the restart outcome
-instead of waiting.
+Two isolated nodes (``nanotron_recover.testbed.isolated_nodes``: each its own pid namespace, so a pid means nothing
+on another node) with 2 ranks each; 2 replicas x TP2, replica r on node r+1. A frozen rank's first watcher is its
+coordinate peer on the other node: it asks the live rank on the frozen rank's node to kill it. When the whole node
+is frozen nobody can, and the job ends with the restart outcome instead of waiting.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nanotron_recover.launcher.runs import rank_processes, run_training
+from nanotron_recover.launcher.runs import run_training
 from nanotron_recover.run.run_folder import last_logged_step, read_exits, record_external_fault
-
-from .fake_nodes import fake_nodes_env
+from nanotron_recover.testbed import isolated_nodes as iso
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,11 @@ def two_node_config(tiny_config, inject: list[dict]) -> dict:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-def test_a_frozen_rank_is_killed_by_a_rank_of_its_own_node(tiny_config, tmp_path, monkeypatch, failure_free_run):
+def test_a_frozen_rank_is_killed_by_a_rank_of_its_own_node(tiny_config, tmp_path, monkeypatch, failure_free_run,
+                                                           isolated_bed):
     # one node: the split over nodes changes no math (shared with the paused-node test below)
     reference = failure_free_run(two_node_config(tiny_config, []), timeout_s=TIMEOUT_S)
-    for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
+    for key, value in iso.launch_env(Path(isolated_bed([2, 2]).folder)).items():
         monkeypatch.setenv(key, value)
     inject = [{"step": FAULT_STEP, "replica": 1, "rank": 1, "phase": "backward", "signal": "stop"}]
     result = run_training(two_node_config(tiny_config, inject), tmp_path / "run", timeout_s=TIMEOUT_S,
@@ -56,8 +57,8 @@ def test_a_frozen_rank_is_killed_by_a_rank_of_its_own_node(tiny_config, tmp_path
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_a_frozen_node_that_nobody_can_reach_ends_the_job_with_the_restart_outcome(tiny_config, tmp_path,
-                                                                                   monkeypatch):
-    for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
+                                                                                   monkeypatch, isolated_bed):
+    for key, value in iso.launch_env(Path(isolated_bed([2, 2]).folder)).items():
         monkeypatch.setenv(key, value)
     inject = [{"step": FAULT_STEP, "replica": 1, "rank": r, "phase": "forward", "signal": "stop"} for r in (0, 1)]
     t0 = time.monotonic()
@@ -76,16 +77,18 @@ def test_a_frozen_node_that_nobody_can_reach_ends_the_job_with_the_restart_outco
     assert elapsed < 120, f"the job took {elapsed:.0f} s to end\n{tail}"
 
 
-def _pause_ranks_then_resume(run_dir, ranks: set[int], after_step: int, paused_s: float, log: list[str]) -> None:
-    """SIGSTOP every process of ``ranks`` (the ranks and their watchdogs) once ``after_step`` is logged; SIGCONT
-    them ``paused_s`` later: a node stalled as a whole (a VM or cgroup freeze), then running again."""
+def _pause_node_then_resume(run_dir, bed: iso.Bed, node: str, after_step: int, paused_s: float,
+                            log: list[str]) -> None:
+    """SIGSTOP every process of ``node`` (its MPI daemon, its ranks and their watchdogs) once ``after_step`` is
+    logged; SIGCONT them ``paused_s`` later: a node stalled as a whole (a VM or cgroup freeze), then running again."""
     deadline = time.monotonic() + TIMEOUT_S
     while last_logged_step(run_dir) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    pids = [pid for pid, rank in rank_processes(run_dir).items() if rank in ranks]  # scanned before: tens of ms
+    init = bed.nodes[node].init
+    pids = [pid for pid in iso.node_pids(bed.nodes[node]) if pid != init]  # scanned before: tens of ms
     while last_logged_step(run_dir) < after_step and time.monotonic() < deadline:
         time.sleep(0.01)
-    record_external_fault(run_dir, "stop-" + "-".join(map(str, sorted(ranks))))  # its hang events are provoked
+    record_external_fault(run_dir, f"stop-{node}")  # its hang events are provoked
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     log.append(f"paused {len(pids)} processes after step {after_step}")
@@ -100,7 +103,8 @@ def _pause_ranks_then_resume(run_dir, ranks: set[int], after_step: int, paused_s
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_other(tiny_config, tmp_path,
-                                                                                  monkeypatch, failure_free_run):
+                                                                                  monkeypatch, failure_free_run,
+                                                                                  isolated_bed):
     """Node 2 (replica 1) stalls whole for the hang timeout + 4 s, then runs again. Node 1's ranks hear the silence
     and ask node 2's ranks to kill their replica; those wake, do it, and must not judge node 1's ranks by the
     silence of their own pause (the case of a CI failure: a woken rank killed a healthy rank of the other node and
@@ -110,11 +114,12 @@ def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_othe
     so that the pause lands in the middle of training: with steps of ~35 ms, the job once reached its final
     agreement before the pauser's SIGSTOP, and the woken replica simply finished with the others."""
     reference = failure_free_run(two_node_config(tiny_config, []), timeout_s=TIMEOUT_S)  # on one node
-    for key, value in fake_nodes_env(tmp_path / "nodes", [2, 2]).items():
+    bed = isolated_bed([2, 2])
+    for key, value in iso.launch_env(Path(bed.folder)).items():
         monkeypatch.setenv(key, value)
     log: list[str] = []
-    pauser = threading.Thread(target=_pause_ranks_then_resume, daemon=True,
-                              args=(tmp_path / "run", {2, 3}, FAULT_STEP - 1, HANG_TIMEOUT_S + 4.0, log))
+    pauser = threading.Thread(target=_pause_node_then_resume, daemon=True,
+                              args=(tmp_path / "run", bed, "n2", FAULT_STEP - 1, HANG_TIMEOUT_S + 4.0, log))
     pauser.start()
     device_time = [{"step": 1, "replica": r, "signal": "slow", "factor": 20} for r in (0, 1)]
     result = run_training(two_node_config(tiny_config, device_time), tmp_path / "run", timeout_s=TIMEOUT_S,

@@ -99,6 +99,10 @@ ROWS: tuple[Row, ...] = (
         "auto`; goal ≤ 1.05 (issue #30)",
         ("failure-free overhead, every protection on, 8 replicas", "ReCoVer / stock {overhead:.3f} "
          "({recover_median_step_ms:.0f} vs {stock_median_step_ms:.0f} ms per step); goal ≤ 1.05")),
+    Row("overhead", "the same run's warm standby (`standby: auto`, beside the job): ReCoVer runs in which it got "
+        "ready; median seconds from launch", "{recover_runs_with_a_ready_standby}; {recover_standby_ready_after_s:.1f}",
+        "it imports at idle priority, on what the training leaves idle; a run in which it did not get ready would "
+        "have relaunched cold, or waited for it"),
     Row("overhead", "the same, by step means / by each round's own ratio",
         "{overhead_mean:.3f} / {overhead_pairwise:.3f}",
         "a mean counts the steps a snapshot slows (a median can miss them); a round's own ratio is robust to slow "

@@ -124,6 +124,23 @@ def test_optimizer_step_reads_bound_grads():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_clipping_the_flat_buffer_is_torchs_clipping_of_the_gradients(max_norm):
+    m, ref = _model(), _model()
+    b = GradBuckets(list(m.named_parameters()), 0.001, "cpu")  # several buckets: the norm spans them all
+    assert b.num_buckets > 1
+    _backward(m, 0)
+    _backward(ref, 0)
+    norm = b.clip_norm_(max_norm)
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+    assert norm == pytest.approx(want, rel=1e-6)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9)
+    assert b.is_bound()  # scaled in place: the gradients still point into the buffer
+    if max_norm > want:
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+
+
 def test_bf16_params_accumulate_into_main_grad():
     m = _model(torch.bfloat16)
     b = GradBuckets(list(m.named_parameters()), 1.0, "cpu")

@@ -15,8 +15,10 @@ The Ibarrier fails on a death or a revoke exactly as the collective would, so th
 commit agreement is an ``Iagree``, which matches a peer's blocking ``Agree`` (measured), as a repair's entry needs.
 
 The failure watcher's polls cost too (each wake-up runs Open MPI's progress engine, a cost per wake-up, so ten
-times fewer wake-ups cost about ten times less): in ``poll`` mode it polls every 50 ms instead of 5 ms, which
-delays only the early notice (a collective notices a death by itself).
+times fewer wake-ups cost about ten times less): it polls every 25 ms with a core per rank and every 50 ms in
+``poll`` mode. That delays only the early notice, which ULFM itself gives 50-120 ms after a death (a collective
+notices a death by itself). At 5 ms the polls took ~3 % of a rank's CPU samples and the step was 2.5 % longer
+(2 one-rank replicas on 2 cores, ``benchmarks/vs_torchft.py``'s model, 400 failure-free steps; py-spy).
 
 ``auto`` (the default, ``fault_tolerance.mpi_wait``) asks for ``poll`` when the node is oversubscribed (more ranks
 on this node than cores this rank may run on), ``block`` otherwise. The mode must be the same on every rank (an
@@ -35,7 +37,7 @@ import numpy as np
 if TYPE_CHECKING:  # importing mpi4py runs MPI_Init: this module's choices are made (and tested) without it
     from mpi4py import MPI
 
-WATCHER_POLL_S = {"block": 0.005, "poll": 0.05}  # the failure watcher's interval, by mode
+WATCHER_POLL_S = {"block": 0.025, "poll": 0.05}  # the failure watcher's interval, by mode
 FIRST_PAUSE_S = 2e-5
 MAX_PAUSE_S = 1e-3
 

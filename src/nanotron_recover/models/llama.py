@@ -203,7 +203,9 @@ class Embedding(nn.Module):
 
 
 class Loss(nn.Module):
-    """Masked mean of the token losses of one microbatch (fp32), from TP-sharded logits."""
+    """Masked mean of the token losses of one microbatch (fp32), from TP-sharded logits. Without TP the logits are
+    whole: torch's fused cross entropy, not nanotron's sharded one (three collectives on a one-rank group and
+    several passes over the logits: ~6 % of a step of ``benchmarks/vs_torchft.py``'s model on CPU, py-spy)."""
 
     def __init__(self, tp_pg: dist.ProcessGroup) -> None:
         super().__init__()
@@ -212,9 +214,13 @@ class Loss(nn.Module):
     def forward(
         self, sharded_logits: torch.Tensor, label_ids: torch.Tensor, label_mask: torch.Tensor
     ) -> Dict[str, torch.Tensor]:
-        token_loss = sharded_cross_entropy(
-            sharded_logits, label_ids.transpose(0, 1).contiguous(), group=self.tp_pg, dtype=torch.float
-        ).transpose(0, 1)
+        labels = label_ids.transpose(0, 1).contiguous()  # [seq, batch], as the logits
+        if self.tp_pg.size() == 1:
+            token_loss = F.cross_entropy(sharded_logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+            token_loss = token_loss.view_as(labels).transpose(0, 1)
+        else:
+            token_loss = sharded_cross_entropy(sharded_logits, labels, group=self.tp_pg, dtype=torch.float
+                                               ).transpose(0, 1)
         mask = label_mask.to(torch.float)
         return {"loss": (token_loss * mask).sum() / mask.sum()}
 

@@ -47,6 +47,7 @@ from nanotron_recover.run.devices import needs_host_staging
 from nanotron_recover.training.training_state import is_dtensor, local_tensor
 
 _FP32_BYTES = 4
+CLIP_EPS = 1.0e-6  # nanotron's (optim/clip_grads.py)
 
 
 class GradBuckets:
@@ -190,6 +191,14 @@ class GradBuckets:
         """No NaN or infinity in the gradient (one sum over the flat buffer: NaN and infinities carry through it;
         no tensor of the buffer's size is allocated)."""
         return bool(torch.isfinite(self.flat.sum()))
+
+    def clip_norm_(self, max_norm: float) -> float:
+        """Scale the gradient in place to an L2 norm of at most ``max_norm`` (nanotron's rule: a coefficient
+        ``max_norm / (norm + 1e-6)``, at most 1); return the norm before. Valid where the buffer is the replica's
+        whole gradient (one rank, fp32 parameters)."""
+        norm = torch.linalg.vector_norm(self.flat)
+        self.flat.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
+        return float(norm)
 
     def zero_(self) -> None:
         """Zero all gradients in place (use instead of ``optimizer.zero_grad()``); re-binds dropped ``.grad``."""

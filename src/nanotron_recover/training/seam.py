@@ -22,6 +22,7 @@ from nanotron_recover.nanotron_compat.tied import sync_tied_gradients
 from nanotron_recover.training.training_state import TrainingState, fp32_accumulator
 
 if TYPE_CHECKING:
+    from nanotron_recover.training.buckets import GradBuckets
     from nanotron_recover.training.checkpoint import CheckpointLayout
 
 
@@ -119,6 +120,7 @@ class DataParallelStrategy(ABC):
     local_rank: int
     # a checkpoint step may copy the state and write it in the background (``checkpoints.async_save``)
     saves_in_background: bool = True
+    buckets: "GradBuckets | None" = None  # the flat fp32 gradient buffer the strategy reduces (None: DDP's own)
 
     @abstractmethod
     def attach_model(
@@ -211,8 +213,13 @@ class DataParallelStrategy(ABC):
         return microbatch
 
     def clip_grad_norm(self, state: TrainingState, max_norm: float) -> float:
-        """Clip the committed gradient to ``max_norm`` (nanotron's, over the replica's model-parallel group)."""
-        return clip_grad_norm(self.parallel_context.mp_pg, state.named_params, max_norm, fp32_accumulator(state))
+        """Clip the committed gradient to ``max_norm``: nanotron's, over the replica's model-parallel group; where a
+        one-rank replica's fp32 gradient is the flat buffer, one norm over it (nanotron's takes a norm per parameter
+        and a collective: ~1 % of a step of ``benchmarks/vs_torchft.py``'s model, py-spy)."""
+        accumulator = fp32_accumulator(state)
+        if self.buckets is not None and accumulator is None and self.parallel_context.mp_pg.size() == 1:
+            return self.buckets.clip_norm_(max_norm)
+        return clip_grad_norm(self.parallel_context.mp_pg, state.named_params, max_norm, accumulator)
 
     def sync_tied_gradients(self, state: TrainingState) -> None:
         """SUM the gradients of parameters tied across the replica's ranks (nanotron's tied-weight groups)."""

@@ -173,9 +173,9 @@ ROWS: tuple[Row, ...] = (
     Row("vs_torchft", "one SIGKILL: max \\|Δloss\\| vs the same system failure-free, ReCoVer / torchft",
         "{recover_max_dloss:.1e} / {torchft_max_dloss:.1e}",
         "torchft drops the dead replica's samples of that step; ReCoVer's survivor computes them"),
-    Row("vs_torchft", "failure-free step: ReCoVer / torchft (DDP wrapper) / plain DDP",
-        "{recover_step_ms:.1f} / {torchft_step_ms:.1f} / {ddp_step_ms:.1f} ms (torchft / ReCoVer "
-        "{recover_vs_torchft_overhead:.3f})", "2 ranks on 2 cores, the same model, samples and optimizer"),
+    Row("vs_torchft", "failure-free step: ReCoVer / torchft (DDP wrapper) / torchft (`Manager.allreduce`) / plain "
+        "DDP", "{recover_step_ms:.1f} / {torchft_step_ms:.1f} / {torchft_mar_step_ms:.1f} / {ddp_step_ms:.1f} ms",
+        "medians of the runs' median steps; 2 ranks on 2 cores, the same model, samples and optimizer"),
     Row("vs_torchft_clockwork", "time to 1000 steps, a replica SIGKILLed every T s: torchft / ReCoVer with regrow "
         "(decided by the launcher; in-place relaunch from a warm standby started after each loss, `standby: "
         "after_loss`)",

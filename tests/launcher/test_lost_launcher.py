@@ -60,9 +60,11 @@ def launch(tiny_config, run_dir: Path, inject: list[dict] | None = None) -> subp
 
 
 def freeze_mpirun_after_step_2(launcher: subprocess.Popen, run_dir: Path, marker: str) -> int:
-    """SIGSTOP the launcher's mpirun once step 2 is logged (the run's marker says so first); its pid."""
-    mpirun = mpirun_of(launcher)
+    """SIGSTOP the launcher's mpirun once step 2 is logged (the run's marker says so first); its pid. It is looked
+    up once the job trains: a pid taken earlier was once gone by step 2 (another ``mpirun`` child of the launcher,
+    seen in a full suite run)."""
     wait_until(lambda: last_logged_step(run_dir) >= 2, 120, "step 2")
+    mpirun = mpirun_of(launcher)
     record_external_fault(run_dir, marker)
     os.kill(mpirun, signal.SIGSTOP)
     return mpirun

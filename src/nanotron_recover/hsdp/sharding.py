@@ -60,16 +60,3 @@ def local_rows(microbatch: dict[str, torch.Tensor], shard: int, num_shards: int)
                 "only with equal counts (its loss weights each shard 1/F)"
             )
     return {key: value[shard * per : (shard + 1) * per] for key, value in microbatch.items()}
-
-
-@torch.no_grad()
-def clip_sharded_grad_(flat: torch.Tensor, max_norm: float, group: torch_dist.ProcessGroup) -> float:
-    """Clip a gradient whose shards live in each rank's ``flat`` buffer; returns the total L2 norm.
-
-    Same rule as nanotron's ``clip_grad_norm``: scale by ``min(1, max_norm / (norm + 1e-6))``.
-    """
-    norm_sq = torch.linalg.vector_norm(flat, dtype=torch.float32).pow(2).reshape(1)
-    torch_dist.all_reduce(norm_sq, group=group)
-    total = norm_sq.sqrt_()
-    flat.mul_(torch.clamp(max_norm / (total + 1.0e-6), max=1.0))
-    return float(total)

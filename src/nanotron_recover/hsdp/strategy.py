@@ -16,7 +16,7 @@ import torch
 
 from nanotron_recover.config import RecoverConfig
 from nanotron_recover.hsdp.checkpoint import ShardedLayout
-from nanotron_recover.hsdp.sharding import clip_sharded_grad_, local_rows, shard_replica_model
+from nanotron_recover.hsdp.sharding import local_rows, shard_replica_model
 from nanotron_recover.nanotron_compat.parallel_context import ReplicaParallelContext
 from nanotron_recover.recovery.resilient import ResilientDataParallel
 from nanotron_recover.training.seam import AttachedModel
@@ -52,7 +52,7 @@ class ShardedReplicaDataParallel(ResilientDataParallel):
         return local_rows(microbatch, self.local_rank, self.shard_size)
 
     def clip_grad_norm(self, state: TrainingState, max_norm: float) -> float:
-        return clip_sharded_grad_(self.buckets.flat, max_norm, self.parallel_context.dp_pg)
+        return self.buckets.clip_norm_(max_norm, self.parallel_context.dp_pg)
 
     def sync_tied_gradients(self, state: TrainingState) -> None:
         """Nothing is tied across ranks: tp = pp = 1 and tied embeddings are rejected by the config."""

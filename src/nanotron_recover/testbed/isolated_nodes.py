@@ -49,6 +49,7 @@ from typing import Sequence
 from nanotron_recover.launcher.launch import HOSTFILE_ENV, MPIRUN_ARGS_ENV
 from nanotron_recover.run.procfs import proc_stat, process_is_gone
 from nanotron_recover.testbed.fake_nodes import SSH_ARGS, node_names, write_bed
+from nanotron_recover.testbed.fake_nodes import kill_processes as stop_and_kill
 
 STATE = "bed.json"
 SUBNET = "10.213"  # 10.213.<bed id>.0/24; the host's side of the bridge is .254
@@ -412,18 +413,7 @@ def kill_processes(bed: Bed, name: str, timeout_s: float = 10.0) -> list[int]:
     node = bed.nodes[name]
     if not node_alive(node):
         raise ProcessLookupError(f"node {name} of {bed.folder} is not running")
-    pids = [p for p in node_pids(node) if p != node.init]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout_s
-    while [p for p in node_pids(node) if p != node.init]:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"processes of node {name} still alive {timeout_s} s after SIGKILL")
-        time.sleep(0.01)
-    return pids
+    return stop_and_kill([p for p in node_pids(node) if p != node.init], timeout_s, what=f"node {name}")
 
 
 def _reap(pid: int) -> None:

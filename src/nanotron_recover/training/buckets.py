@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as torch_dist
 
 from nanotron_recover.run.devices import needs_host_staging
 from nanotron_recover.training.training_state import is_dtensor, local_tensor
@@ -192,13 +193,20 @@ class GradBuckets:
         no tensor of the buffer's size is allocated)."""
         return bool(torch.isfinite(self.flat.sum()))
 
-    def clip_norm_(self, max_norm: float) -> float:
+    @torch.no_grad()
+    def clip_norm_(self, max_norm: float, group: torch_dist.ProcessGroup | None = None) -> float:
         """Scale the gradient in place to an L2 norm of at most ``max_norm`` (nanotron's rule: a coefficient
-        ``max_norm / (norm + 1e-6)``, at most 1); return the norm before. Valid where the buffer is the replica's
-        whole gradient (one rank, fp32 parameters)."""
-        norm = torch.linalg.vector_norm(self.flat)
-        self.flat.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
-        return float(norm)
+        ``max_norm / (norm + 1e-6)``, at most 1); return the norm before. The buffer holds the replica's whole
+        gradient (one rank, fp32 parameters), or with ``group`` this rank's shard of it (HSDP: the norm is summed
+        over the shards)."""
+        if group is None:
+            total = torch.linalg.vector_norm(self.flat)
+        else:
+            norm_sq = torch.linalg.vector_norm(self.flat, dtype=torch.float32).pow(2).reshape(1)
+            torch_dist.all_reduce(norm_sq, group=group)
+            total = norm_sq.sqrt_()
+        self.flat.mul_(torch.clamp(max_norm / (total + CLIP_EPS), max=1.0))
+        return float(total)
 
     def zero_(self) -> None:
         """Zero all gradients in place (use instead of ``optimizer.zero_grad()``); re-binds dropped ``.grad``."""

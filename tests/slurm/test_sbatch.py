@@ -158,18 +158,19 @@ def test_below_min_replicas_requeues_and_resumes_on_the_same_trajectory(cluster:
 @needs_slurm
 def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_standby(cluster: Cluster,
                                                                                      tmp_path: Path) -> None:
-    steps = 3000  # ~7 ms each: long enough for the standby to get ready (~5 s at idle priority where no core is
-    # idle, then its imports beside the training), then a kill from outside
+    steps = 6000  # 8-15 ms each, 50-90 s: the standby gets ready (5 s at idle priority where no core is idle,
+    # then its imports beside the training: 14.5 s here), then a kill from outside. With 3000 a fast CI machine
+    # (~8 ms steps) ended the job in 28 s before its standby was ready: the steps got faster, the imports did not
     raw = make_tiny_config(dp=2, steps=steps, accumulation=2, layers=2,
                            fault_tolerance={"enabled": True, "min_replicas": 2, "local_snapshot_dir": str(tmp_path)})
     # first, and alone: a reference run beside the job (two trainings on the 2 CI cores) can stall a rank past the
     # hang timeout
-    reference = run_training(raw, tmp_path / "reference", timeout_s=200, extra_args=["--synthetic-data"])
+    reference = run_training(raw, tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
     config = write_config(raw, tmp_path / "config.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = cluster.submit(SINGLE_NODE, env=_job_env(config, run_dir, RECOVER_RESTART="requeue", MAX_RESTARTS="2"),
                          sbatch_args=["--ntasks=2", f"--output={log}"])
-    wait_for_batch_standby(cluster, job, run_dir, ranks=2, timeout_s=150)
+    wait_for_batch_standby(cluster, job, run_dir, ranks=2, timeout_s=150, log=log)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # below min_replicas: the job ends with the restart outcome
     info = cluster.wait(job, timeout_s=240)
     output = log.read_text() if log.exists() else ""
@@ -182,14 +183,16 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
         assert abs(got - want) <= 1e-5
 
 
-def wait_for_batch_standby(cluster: Cluster, job: int, run_dir: Path, ranks: int, timeout_s: float) -> None:
+def wait_for_batch_standby(cluster: Cluster, job: int, run_dir: Path, ranks: int, timeout_s: float,
+                           log: Path) -> None:
     """Until the standby of the batch script's launcher is ready: every one of its ``ranks`` ranks imported."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if standby_ready(_launchers(run_dir), ranks):
             return
         time.sleep(0.05)
-    raise AssertionError(f"no warm standby got ready: {cluster.job(job)}")
+    said = [line for line in (log.read_text() if log.exists() else "").splitlines() if "[step" not in line]
+    raise AssertionError(f"no warm standby got ready: {cluster.job(job)}\n" + "\n".join(said[-40:]))
 
 
 def _launchers(run_dir: Path) -> list[int]:

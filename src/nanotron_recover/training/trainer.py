@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import torch._dynamo  # noqa: F401 - here, not in the first optimizer's constructor (~2 s): a warm standby's head start
 from nanotron.helpers import lr_scheduler_builder
 from nanotron.optim.named_optimizer import NamedOptimizer
 from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
@@ -38,6 +37,7 @@ from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.phases import Phase
 from nanotron_recover.training.checkpoint import CheckpointManager
 from nanotron_recover.training.checkpoint_resume import settle_root
+from nanotron_recover.training.eager_adamw import EagerAdamW
 from nanotron_recover.training.engines import build_engine, place_microbatch, summed_loss
 from nanotron_recover.training.memory import training_state_bytes
 from nanotron_recover.training.metrics import MetricsLogger
@@ -155,7 +155,7 @@ class RecoverTrainer:
         fused = bool(args.torch_adam_is_fused) and self.device.type == "cuda"
 
         def adamw(groups):
-            return torch.optim.AdamW(
+            return EagerAdamW(  # torch's AdamW, less its compiler's import (eager_adamw.py)
                 groups,
                 lr=args.learning_rate_scheduler.learning_rate,
                 weight_decay=args.weight_decay,

@@ -3,7 +3,7 @@
 torch keeps ``torch.compile`` out of its optimizers with two wrappers: ``Optimizer.add_param_group``,
 ``zero_grad``, ``state_dict``, ``load_state_dict`` and the functional ``adam`` go through ``torch._disable_dynamo``,
 and ``Adam.step`` (AdamW's) through a wrapper that calls ``torch._dynamo.graph_break()``. Both import
-``torch._dynamo`` on first use: ~1.9 CPU-s per process on a 2-core machine (sympy, the tracer's rules), about 40 %
+``torch._dynamo`` on first use: ~1.5 CPU-s per process on a 2-core machine (sympy, the tracer's rules), about 40 %
 of what a rank imports. Every start pays it, cold or warm, and so does each rank of a warm standby (its imports
 are what it is there to do ahead, on cores the training shares). Nothing in this project is ever compiled, so the
 wrappers would only import.

@@ -18,6 +18,7 @@ process), nothing is changed either.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -27,6 +28,9 @@ from torch.optim import adam as adam_module
 
 _CACHE_SLOT = "__dynamo_disable"  # the attribute torch._disable_dynamo caches its disabled function in
 _DISABLED_METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+# AdamW's step less every wrapper: torch's dynamo wrapper, and the profiling hook that building any AdamW puts
+# around the class's step (then one ``__wrapped__`` would land on the dynamo wrapper); None where it has none
+_RAW_STEP = inspect.unwrap(AdamW.step) if hasattr(AdamW.step, "__wrapped__") else None
 
 
 def _wrapped(fn: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -39,7 +43,7 @@ def skip_dynamo_import() -> bool:
         return False
     functions = [_wrapped(getattr(Optimizer, name)) for name in _DISABLED_METHODS]
     functions.append(_wrapped(getattr(adam_module, "adam", None)))
-    if any(fn is None for fn in functions) or _wrapped(AdamW.step) is None:
+    if any(fn is None for fn in functions) or _RAW_STEP is None:
         return False
     for fn in functions:
         if getattr(fn, _CACHE_SLOT, None) is None:
@@ -55,8 +59,7 @@ class EagerAdamW(AdamW):
         super().__init__(*args, **kwargs)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        step = _wrapped(AdamW.step) if self._eager else None
-        if step is None or self.defaults.get("differentiable"):
+        if not self._eager or self.defaults.get("differentiable"):
             return super().step(closure)
         with torch.no_grad():
-            return step(self, closure)
+            return _RAW_STEP(self, closure)

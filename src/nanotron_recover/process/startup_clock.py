@@ -40,7 +40,7 @@ class StartupClock:
     def ready(self) -> None:
         if self.seconds is None:
             self.mark("start-up agreement")
-            self.seconds = max(0.0, time.time() - self.started)
+            self.seconds = max(0.0, self._marks[-1][1] - self.started)  # the phases add up to it
 
     def phases_s(self) -> dict[str, float]:
         """Each marked phase's duration in seconds, in order (a phase marked twice: summed)."""

@@ -62,6 +62,8 @@ def test_fault_tolerance_disabled_is_the_stock_path():
         ({"min_replicas": 0}, "fault_tolerance.min_replicas"),
         ({"spare_replicas": -1}, "fault_tolerance.spare_replicas"),
         ({"collective_timeout_s": 0}, "fault_tolerance.collective_timeout_s"),
+        ({"startup_peer_wait_floor_s": 0}, "fault_tolerance.startup_peer_wait_floor_s"),
+        ({"startup_peer_wait_floor_s": "soon"}, "fault_tolerance.startup_peer_wait_floor_s"),
         ({"inject": [{"step": 2, "replica": 0, "phase": "lunch"}]}, "fault_tolerance.inject[0].phase"),
         ({"inject": [{"step": 99, "replica": 0}]}, "fault_tolerance.inject[0].step"),
         ({"inject": [{"step": 2, "replica": 5}]}, "fault_tolerance.inject[0].replica"),

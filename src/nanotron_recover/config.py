@@ -72,6 +72,9 @@ class FaultToleranceArgs:
         startup_timeout_s: every rank must be ready to train (imports, ``MPI_Init``, torch rendezvous, model build,
             checkpoint load) within this long, else the whole job ends with the restart outcome (exit 3). Also the
             allowance for one checkpoint save.
+        startup_peer_wait_floor_s: a rank that waits for its peers in start-up (inside ``MPI_Init``, in the start-up
+            agreement) waits at most 3 x its own start-up so far, and at least this long: a peer frozen in start-up
+            costs about this, not ``startup_timeout_s``. Lower it where every rank starts in a few seconds.
         finalize_timeout_s: a rank that has finished (or is leaving) ends within this long even when its MPI
             daemon is frozen or gone (``MPI_Finalize`` then waits on it for ever): it is SIGKILLed after its exit
             record was written, so a finished run always ends and a relaunch never competes with orphaned ranks.
@@ -153,6 +156,7 @@ class FaultToleranceArgs:
     hang_monitor: bool = True
     hang_timeout_s: Optional[float] = None
     startup_timeout_s: float = 600.0
+    startup_peer_wait_floor_s: float = 60.0
     finalize_timeout_s: float = 60.0
     replica: str = REPLICA_3D
     fsdp_shard_size: Optional[int] = None
@@ -391,6 +395,8 @@ def _validate_fault_tolerance(config: RecoverConfig) -> None:
     _check(ft.stop_grace_s >= 1, "fault_tolerance.stop_grace_s", f"must be >= 1 second, got {ft.stop_grace_s}")
     _check(ft.startup_timeout_s >= 10, "fault_tolerance.startup_timeout_s",
            f"must be >= 10 seconds, got {ft.startup_timeout_s}")
+    _check(ft.startup_peer_wait_floor_s >= 1, "fault_tolerance.startup_peer_wait_floor_s",
+           f"must be >= 1 second, got {ft.startup_peer_wait_floor_s}")
     interval = ft.local_snapshot_interval
     _check(interval == "auto" or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 0),
            "fault_tolerance.local_snapshot_interval", f"must be auto or an integer >= 0 (0: off), got {interval!r}")

@@ -54,7 +54,8 @@ def arm_startup_guard(config_file: str, run_dir: str | None, launch_token: str =
         return None
     ft, rpr = peek
     record = exit_record_path(Path(run_dir), rank) if run_dir else None
-    watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}", exit_record=record)
+    watchdog = StartupWatchdog(float(ft.get("startup_timeout_s", 600.0)), label=f"rank {rank}", exit_record=record,
+                               wait_floor_s=float(ft.get("startup_peer_wait_floor_s", STARTUP_WAIT_FLOOR_S)))
     try:
         injector = FailureInjector(ft.get("inject") or [], int(rank) // rpr, int(rank) % rpr, run_dir=run_dir,
                                    launch_token=launch_token)
@@ -71,9 +72,11 @@ _ARMED: StartupGuard | None = None  # this process's guard, once armed
 
 def wait_bound_s() -> float:
     """How long this rank may wait for its peers during start-up: a multiple of its own start-up so far (process
-    start, or a warm standby's release), at least a floor. Its peers do the same work: one that takes several times
-    longer is frozen or dead (seen: a rank frozen in start-up held the others for the whole startup_timeout_s)."""
-    return max(STARTUP_WAIT_FLOOR_S, STARTUP_WAIT_FACTOR * max(0.0, time.time() - STARTUP.started))
+    start, or a warm standby's release), at least a floor (``fault_tolerance.startup_peer_wait_floor_s``). Its peers
+    do the same work: one that takes several times longer is frozen or dead (seen: a rank frozen in start-up held
+    the others for the whole startup_timeout_s)."""
+    floor = _ARMED.watchdog.wait_floor_s if _ARMED is not None else STARTUP_WAIT_FLOOR_S
+    return max(floor, STARTUP_WAIT_FACTOR * max(0.0, time.time() - STARTUP.started))
 
 
 @contextmanager

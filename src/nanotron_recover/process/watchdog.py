@@ -38,7 +38,7 @@ WAIT_POINTS = ("MPI_Init", "the start-up agreement")
 # a rank that waits for its peers waits at most this many times its own start-up so far, and at least the floor:
 # a peer frozen or dead in start-up then costs about a minute, not startup_timeout_s (600 s by default)
 STARTUP_WAIT_FACTOR = 3.0
-STARTUP_WAIT_FLOOR_S = 60.0
+STARTUP_WAIT_FLOOR_S = 60.0  # fault_tolerance.startup_peer_wait_floor_s's default
 
 
 def _process_name(pid: int) -> str:
@@ -129,7 +129,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None, rank_pid: int,
-           daemon_pid: int) -> int:
+           daemon_pid: int, wait_floor_s: float = STARTUP_WAIT_FLOOR_S) -> int:
     """The watchdog's life: wait for the disarm byte; otherwise record why the rank ended and, on a timeout, on a
     wait for the peers past its bound, or on the rank's silent death, end the job. Every way a rank can end during
     start-up leaves its record: its own timeout, the job's teardown (SIGTERM, when another rank's watchdog fired
@@ -141,7 +141,7 @@ def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None,
         signal.signal(signal.SIGTERM, _on_sigterm)
         for asks_to_stop in (signal.SIGINT, signal.SIGUSR1):  # a graceful stop is the rank's business
             signal.signal(asks_to_stop, signal.SIG_IGN)
-        reason = _wait_for_disarm(read_fd, timeout_s, label)
+        reason = _wait_for_disarm(read_fd, timeout_s, label, wait_floor_s)
         if reason is None:
             return 0
         if reason.endswith(_DIED):
@@ -161,7 +161,8 @@ def _watch(read_fd: int, timeout_s: float, label: str, exit_record: Path | None,
 _DIED = "died during start-up, before it was ready to train"
 
 
-def _wait_for_disarm(read_fd: int, timeout_s: float, label: str) -> str | None:
+def _wait_for_disarm(read_fd: int, timeout_s: float, label: str,
+                     wait_floor_s: float = STARTUP_WAIT_FLOOR_S) -> str | None:
     """None once disarmed (or the rank ended on purpose: it wrote its record first), else why the job must end.
 
     The rank may say it waits for its peers (:data:`_WAITING`, with a bound in seconds, derived from its own
@@ -175,7 +176,7 @@ def _wait_for_disarm(read_fd: int, timeout_s: float, label: str) -> str | None:
         if not ready:
             if waiting is not None and waiting[0] < deadline:
                 return (f"{label} waited {waiting[1]:.0f} s for its peers at {waiting[2]} (its bound: "
-                        f"{STARTUP_WAIT_FACTOR:g} x its own start-up, at least {STARTUP_WAIT_FLOOR_S:g} s): a rank "
+                        f"{STARTUP_WAIT_FACTOR:g} x its own start-up, at least {wait_floor_s:g} s): a rank "
                         "is frozen or dead in start-up")
             return (f"{label} not ready to train after startup_timeout_s={timeout_s:g} s (a rank died or hung "
                     "during start-up: imports, MPI_Init, rendezvous, model build or checkpoint load)")
@@ -215,10 +216,13 @@ class StartupWatchdog:
     the rank, so it is safe.
     """
 
-    def __init__(self, timeout_s: float, label: str, exit_record: Path | None = None) -> None:
+    def __init__(self, timeout_s: float, label: str, exit_record: Path | None = None,
+                 wait_floor_s: float = STARTUP_WAIT_FLOOR_S) -> None:
         """``exit_record``: where to write ``{"rank", "code": 3, "reason"}`` if the watchdog fires (the rank's own
-        record, ``<run_dir>/exits/rank-<r>.json``)."""
+        record, ``<run_dir>/exits/rank-<r>.json``); ``wait_floor_s``: the floor of a wait for the peers (for its
+        message; the rank computes the bound)."""
         self.timeout_s = timeout_s
+        self.wait_floor_s = wait_floor_s
         self.label = label
         self.started = time.monotonic()
         read_fd, self._write_fd = os.pipe()
@@ -226,7 +230,7 @@ class StartupWatchdog:
         self.child_pid = os.fork()
         if self.child_pid == 0:  # the watchdog
             os.close(self._write_fd)
-            os._exit(_watch(read_fd, timeout_s, label, exit_record, rank_pid, daemon_pid))
+            os._exit(_watch(read_fd, timeout_s, label, exit_record, rank_pid, daemon_pid, wait_floor_s))
         os.close(read_fd)
 
     @property

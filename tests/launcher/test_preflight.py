@@ -95,4 +95,3 @@ def test_the_snapshot_budget_is_checked_for_one_nodes_ranks_not_the_whole_job(tm
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
     cmd, config, _ = train_command(args)
     assert config.world_size == 8
-

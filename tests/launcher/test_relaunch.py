@@ -69,15 +69,18 @@ def kill_and_wait(launcher: subprocess.Popen, victim: int) -> float:
     return killed
 
 
+def relaunch_trained(run_dir: Path, steps: int) -> bool:
+    """The second launch of ``run_dir`` has logged ``steps`` steps."""
+    launches = read_launches(run_dir)
+    return len(launches) >= 2 and sum(s["time"] > launches[1]["time"] for s in read_metrics(run_dir)[0]) >= steps
+
+
 def stop_once_the_relaunch_trains(launcher: subprocess.Popen, run_dir: Path, steps: int = 3) -> None:
     """Once the second launch has logged ``steps`` steps, SIGTERM to the launcher (a scheduler's stop: the job ends
     at a step boundary, exit 3) and wait for it to end. The relaunch has shown what these tests look at; the rest of
     a run long enough for a standby to get ready would only cost the suite a minute."""
     deadline = time.monotonic() + 120
-    while launcher.poll() is None and time.monotonic() < deadline:
-        launches = read_launches(run_dir)
-        if len(launches) >= 2 and sum(s["time"] > launches[1]["time"] for s in read_metrics(run_dir)[0]) >= steps:
-            break
+    while launcher.poll() is None and time.monotonic() < deadline and not relaunch_trained(run_dir, steps):
         time.sleep(0.05)
     assert launcher.poll() is None, "the run ended before its relaunch trained: make it longer"
     launcher.send_signal(signal.SIGTERM)

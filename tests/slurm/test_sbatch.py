@@ -33,7 +33,7 @@ import pytest
 from nanotron_recover.launcher.runs import rank_pids, run_training, write_config
 from nanotron_recover.run.run_folder import read_launches, read_metrics, read_metrics_jsonl, resumed_from
 from tests.conftest import make_tiny_config
-from tests.launcher.test_relaunch import standby_ready
+from tests.launcher.test_relaunch import relaunch_trained, standby_ready
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
@@ -172,7 +172,7 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
     wait_for_batch_standby(cluster, job, run_dir, ranks=2, timeout_s=150, log=log)
     os.kill(rank_pids(run_dir)[1], signal.SIGKILL)  # below min_replicas: the launcher relaunches in place
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not _relaunch_trained(run_dir, steps=20):
+    while time.monotonic() < deadline and not relaunch_trained(run_dir, steps=20):
         time.sleep(0.05)
     subprocess.run(["scancel", "--signal=USR1", "-b", str(job)], env=cluster.env, timeout=30, check=True)
     info = cluster.wait(job, timeout_s=120)
@@ -181,7 +181,7 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
     assert info["Restarts"] == "0" and "requeueing" not in output, (info, output[-4000:])
     assert "relaunching in place from the warm standby" in output, output[-4000:]
     assert [launch.get("warm") for launch in read_launches(run_dir)] == [False, True]
-    assert _relaunch_trained(run_dir, steps=20), output[-4000:]
+    assert relaunch_trained(run_dir, steps=20), output[-4000:]
     logged = [r["step"] for r in read_metrics_jsonl(run_dir) if "event" not in r]
     assert logged == list(range(1, logged[-1] + 1)), "a step logged twice, or one missing"
     # the failure-free run of those steps: the same config and LR schedule, train_steps cut to where the job stopped
@@ -189,12 +189,6 @@ def test_inside_the_allocation_the_launcher_relaunches_in_place_from_its_warm_st
     reference = run_training(raw, tmp_path / "reference", timeout_s=300, extra_args=["--synthetic-data"])
     for got, want in zip([s["loss"] for s in read_metrics(run_dir)[0]], reference.losses, strict=True):
         assert abs(got - want) <= 1e-5
-
-
-def _relaunch_trained(run_dir: Path, steps: int) -> bool:
-    """The second launch has logged ``steps`` steps."""
-    launches = read_launches(run_dir)
-    return len(launches) >= 2 and sum(s["time"] > launches[1]["time"] for s in read_metrics(run_dir)[0]) >= steps
 
 
 def wait_for_batch_standby(cluster: Cluster, job: int, run_dir: Path, ranks: int, timeout_s: float,

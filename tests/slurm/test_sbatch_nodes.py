@@ -43,7 +43,8 @@ from nanotron_recover.testbed import isolated_nodes as iso
 from nanotron_recover.testbed import isolated_slurm
 from nanotron_recover.testbed.fake_nodes import kill_processes, process_tree
 from tests.conftest import make_tiny_config
-from tests.slurm.test_sbatch import REPO, Cluster, _job_env, _relaunch_trained, needs_slurm
+from tests.launcher.test_relaunch import relaunch_trained
+from tests.slurm.test_sbatch import REPO, Cluster, _job_env, needs_slurm
 
 MULTI_NODE = REPO / "scripts" / "slurm" / "recover_multi_node.sbatch"
 STEPS = 40  # the survivors of the loss must not finish the run before its teardown reaches them
@@ -219,7 +220,7 @@ def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a
     # once the relaunch has trained, the time-limit warning ends the job at a step (no requeue left: exit 3); the
     # rest of the steps would only show again what the steps before show
     deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and not _relaunch_trained(run_dir, steps=20):
+    while time.monotonic() < deadline and not relaunch_trained(run_dir, steps=20):
         time.sleep(0.05)
     subprocess.run(["scancel", "--signal=USR1", "-b", str(job)], env=two_nodes.env, timeout=30, check=True)
 
@@ -233,7 +234,7 @@ def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a
     # stalled past the hang timeout is evicted in-step, and the job regrows from the next standby)
     warm = [launch.get("warm") for launch in read_launches(run_dir)]
     assert warm[:2] == [False, True] and all(warm[2:]), (warm, output[-4000:])
-    assert _relaunch_trained(run_dir, steps=20), output[-4000:]
+    assert relaunch_trained(run_dir, steps=20), output[-4000:]
     records = [r for r in read_metrics_jsonl(run_dir) if "event" not in r and "step" in r]
     assert records[-1]["step"] < steps
     for r in records:  # replays included

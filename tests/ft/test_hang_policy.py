@@ -17,6 +17,7 @@ from nanotron_recover.ft.hang_policy import (
     HangPolicy,
     MainThreadProgress,
     excuse_own_pause,
+    kill_order_done,
     peers_of,
 )
 from nanotron_recover.ft.layout import ReplicaAssignment, ReplicaLayout
@@ -147,3 +148,14 @@ def test_a_watchers_own_pause_never_counts_as_its_peers_silence(heard: list[floa
     for before, after in zip(heard, excused):
         assert after <= now and now - after <= max(0.0, now - before - paused) + 1e-9
     assert excuse_own_pause([now], paused, now) == [now]
+
+
+def test_a_kill_order_is_done_when_its_target_dies_or_runs_again_in_a_broken_replica() -> None:
+    """The case of a CI failure: a paused node's two ranks were asked to kill each other; one killed its mate first
+    and ran on. Its own kill order is done (its replica lost a rank), but never while it is still silent."""
+    dead = {3}.__contains__
+    assert kill_order_done(True, (), dead, target_heard_since=False)  # the target died
+    assert kill_order_done(False, (3,), dead, target_heard_since=True)  # woke, and its mate is gone
+    assert not kill_order_done(False, (3,), dead, target_heard_since=False)  # still frozen: it would hang the repair
+    assert not kill_order_done(False, (1,), dead, target_heard_since=True)  # woke, its replica whole: still owed
+    assert not kill_order_done(False, (), dead, target_heard_since=True)  # no mates (in the pool): still owed

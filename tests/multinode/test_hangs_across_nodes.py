@@ -110,9 +110,11 @@ def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_othe
     silence of their own pause (the case of a CI failure: a woken rank killed a healthy rank of the other node and
     the job lost both replicas). The run finishes on replica 0 with the failure-free losses.
 
-    Every microbatch carries 19x its compute time as a sleep ("device time", ``signal: slow``: no number changes),
-    so that the pause lands in the middle of training: with steps of ~35 ms, the job once reached its final
-    agreement before the pauser's SIGSTOP, and the woken replica simply finished with the others."""
+    From the step of the pause on, every microbatch carries 19x its compute time as a sleep ("device time",
+    ``signal: slow``: no number changes), so that the pause lands in the middle of training: with steps of ~35 ms,
+    the job once reached its final agreement before the pauser's SIGSTOP, and the woken replica simply finished with
+    the others. Not from step 1: a rank's first slowed call sleeps 19x that whole call, warm-up included, and on a
+    loaded machine that passed the 8-s hang timeout (the rank ended itself as stuck before the pause)."""
     reference = failure_free_run(two_node_config(tiny_config, []), timeout_s=TIMEOUT_S)  # on one node
     bed = isolated_bed([2, 2])
     for key, value in iso.launch_env(Path(bed.folder)).items():
@@ -121,7 +123,7 @@ def test_a_node_paused_past_the_hang_timeout_loses_its_replica_and_harms_no_othe
     pauser = threading.Thread(target=_pause_node_then_resume, daemon=True,
                               args=(tmp_path / "run", bed, "n2", FAULT_STEP - 1, HANG_TIMEOUT_S + 4.0, log))
     pauser.start()
-    device_time = [{"step": 1, "replica": r, "signal": "slow", "factor": 20} for r in (0, 1)]
+    device_time = [{"step": FAULT_STEP, "replica": r, "signal": "slow", "factor": 20} for r in (0, 1)]
     result = run_training(two_node_config(tiny_config, device_time), tmp_path / "run", timeout_s=TIMEOUT_S,
                           extra_args=["--synthetic-data"])
     heard = [h["last_step"] for h in result.events_of("hang_detected") if "last_step" in h]

@@ -28,7 +28,8 @@ Decisions, each reported through ``on_hang`` (the ``hang_detected`` event) befor
   then my stall is its doing and the silence path ends it (I may be the only live rank on its node, who must do
   the kill), and I end myself only ``timeout + KILL_CONFIRM_S`` later if that failed;
 * a kill that did not lead to a death notice within ``KILL_CONFIRM_S`` (no live rank on the frozen host; a target
-  on my own host counts as dead once the process table says so, however late the notice), or my
+  on my own host counts as dead once the process table says so, however late the notice; a target that runs again
+  and whose replica lost a rank meanwhile needs no death: the repair takes its replica out), or my
   main thread waiting in cross-replica MPI for ``stall_limit`` with nobody found hung -> ``end_job`` (restart).
 
 The timeout (:class:`HangPolicy`) is fixed (``fault_tolerance.hang_timeout_s``) or derived from the measured step
@@ -62,6 +63,7 @@ from .hang_policy import (
     HangPolicy,
     MainThreadProgress,
     excuse_own_pause,
+    kill_order_done,
     peers_of,
 )
 from .layout import ReplicaAssignment, ReplicaLayout
@@ -124,6 +126,7 @@ class PeerView:
 class _KillOrder:
     target: int
     at: float
+    mates: tuple[int, ...] = ()  # the target's live replica-mates when the order was given
     confirmed: bool = False
 
 
@@ -288,7 +291,7 @@ class HangMonitor:
         dead = self._dead | set(self._known_dead())
         live = set(self._live_ranks()) - dead
         for order in self._kills:
-            if not order.confirmed and (order.target in dead or order.target not in live or self._gone_here(order)):
+            if not order.confirmed and self._order_done(order, dead, live):
                 order.confirmed = True
         self._check_peers(now, live)
         self._check_self(now, live)
@@ -320,7 +323,7 @@ class HangMonitor:
                 "last_step": peer.last_step, "last_where": peer.last_where,
                 "action": "kill" if helpers is None else f"ask ranks {helpers} on its node to kill it",
             })
-            self._kill(rank, now, helpers)
+            self._kill(rank, now, helpers, live)
 
     def _frozen_peers(self, now: float, live: set[int]) -> list[int]:
         """Watched peers that look frozen (no heartbeat for two periods)."""
@@ -379,6 +382,14 @@ class HangMonitor:
                               f"alive {KILL_CONFIRM_S:g} s after its kill was ordered (no live rank on that host?)")
                 return
 
+    def _order_done(self, order: _KillOrder, dead: set[int], live: set[int]) -> bool:
+        def gone(rank: int) -> bool:
+            return rank in dead or rank not in live
+
+        peer = self._peers.get(order.target)
+        return kill_order_done(gone(order.target) or self._gone_here(order), order.mates, gone,
+                               peer is not None and peer.last_heard > order.at)
+
     def _gone_here(self, order: "_KillOrder") -> bool:
         """A target on my host is confirmed dead by the process table: Open MPI's death notice may come many
         seconds later on a loaded node (it was seen to take over ``KILL_CONFIRM_S`` on 2 busy cores), and a kill
@@ -393,8 +404,11 @@ class HangMonitor:
         return [r for r in self._live_ranks() if self.hosts[r] == self.hosts[target] and r != target
                 and r not in self._dead]
 
-    def _kill(self, target: int, now: float, helpers: list[int] | None) -> None:
-        self._kills.append(_KillOrder(target, now))
+    def _kill(self, target: int, now: float, helpers: list[int] | None, live: set[int]) -> None:
+        grid = self._assignment() if self._assignment is not None else self.layout
+        replica = grid.replica_of(target)
+        mates = () if replica is None else tuple(r for r in grid.ranks_of(replica) if r != target and r in live)
+        self._kills.append(_KillOrder(target, now, mates))
         if helpers is None:
             self._kill_local(target)
         else:

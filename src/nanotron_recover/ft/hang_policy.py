@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..run.phases import SLOW_IO_PHASES, Phase
 from .layout import ReplicaAssignment, ReplicaLayout
@@ -168,3 +168,15 @@ def excuse_own_pause(times: Sequence[float], paused_s: float, now: float) -> lis
     node that a hypervisor or the kernel stalled for longer than the hang timeout wakes up, hears nobody yet, and
     kills healthy peers on other nodes."""
     return [min(now, t + paused_s) for t in times]
+
+
+def kill_order_done(target_gone: bool, mates_at_order: Sequence[int], gone: Callable[[int], bool],
+                    target_heard_since: bool) -> bool:
+    """Whether a kill order needs no more waiting: its target is gone, or it runs again (heard after the order) and
+    one of the replica-mates it had when the order was given is gone, so the repair takes its replica out anyway.
+
+    The second case is the replica as the unit of failure. Seen on CI: a whole node was paused, its two ranks were
+    reported silent by the other node's ranks, each kill was asked of the other rank of the paused node, and when the
+    node woke one of them killed its mate first; the survivor, running and beating again in the pool, was taken for
+    a kill that failed, and the job ended. A target still frozen is never excused: it would hang the repair."""
+    return target_gone or (target_heard_since and any(gone(m) for m in mates_at_order))

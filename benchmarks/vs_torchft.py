@@ -37,7 +37,10 @@ Prints the report and, last, one line:
   recover_vs_torchft_time_to_N=<x> recover_vs_torchft_overhead=<y> recover_max_dloss=<a> torchft_max_dloss=<b>
 (ratios > 1: ReCoVer better). ``--quick`` is the smoke test's size (~1-2 min on 2 cores).
 
-torchft is an optional extra: ``pip install -e .[peers]`` (or ``pip install torchft==0.2.0``).
+torchft is an optional extra: ``pip install -e .[peers]`` (or ``pip install torchft==0.2.0``). The newest torchft
+needs torch >= 2.14 and runs in an environment of its own (``scripts/setup_peer_venv.sh``): ``--peer-python
+.venv-peer/bin/python``, with ``--peer-pg native`` for torch's own gloo group reconfigured in place. Every report
+and record names the peer's torchft and torch versions.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +70,7 @@ from benchmarks.lib.side_by_side import (  # noqa: E402
     ratio,
 )
 from benchmarks.lib.tiny_llama import TrainSpec  # noqa: E402
-from benchmarks.lib.torchft_runner import INSTALL_HINT, torchft_available  # noqa: E402
+from benchmarks.lib.torchft_runner import INSTALL_HINT, peer_versions, torchft_available  # noqa: E402
 
 FP32_TOL = 1e-5  # the project's fp32 trajectory tolerance (the summation-order floor is ~1e-7 .. 1e-6)
 # the smoke test's size: start-up dominates; enough steps after the kill that torchft's restarted replica (5 s of
@@ -90,6 +94,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="recover+spare: one more process, an idle spare replica (the victims are drawn among all "
                          "live replicas, the spare too)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the Clockwork victim draws")
+    ap.add_argument("--peer-python", default=sys.executable,
+                    help="the interpreter the peer systems (ddp excepted) run on: e.g. .venv-peer/bin/python, the "
+                         "newest torchft on torch 2.14 (scripts/setup_peer_venv.sh); default: this one")
+    ap.add_argument("--peer-pg", choices=["torchft", "native"], default="torchft",
+                    help="torchft's process group: its gloo wrapper (rebuilt at each quorum change), or torch's own "
+                         "gloo group reconfigured in place (torch >= 2.14, the peer's recommended path there)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process of every system")
     ap.add_argument("--data-folder", default=None, help="prepared KJV tokens (default: prepared under --out)")
     ap.add_argument("--quick", action="store_true", help="the smoke test's size (see QUICK)")
@@ -152,7 +162,7 @@ def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps
         return run_ddp(spec, out, R, bound)
     if kind in ("torchft", "torchft-mar"):
         return run_torchft(spec, out, R, faults, bound, grad_sync="ddp" if kind == "torchft" else "manager",
-                           name=kind)
+                           name=kind, python=args.peer_python, pg=args.peer_pg)
     ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s),
           "recover+spare": recover_ft(1, relaunch_every_s),
           "recover+regrow": {**recover_ft(0, relaunch_every_s), "regrow": "auto", "standby": "after_loss"}}[kind]
@@ -349,6 +359,7 @@ def report_md(args: argparse.Namespace, s: dict[str, Any], line: str, command: s
                for k in s["step_s"]]
     return "\n".join([
         f"command: `{command}`", "", f"machine: {machine_line()}, load at the end {os.getloadavg()[0]:.1f}", "",
+        _peer_line(args), "",
         f"setup: {args.replicas} replicas x TP1, M = {M} microbatches/step, {size.describe()}, KJV tokens, "
         f"{args.steps} steps (failure-free, one fault after step {args.fail_after}); Clockwork N = "
         f"{args.clockwork_steps}, T = {', '.join(f'{t:g}' for t in args.clockwork_every) or 'none'} s, seed "
@@ -363,8 +374,15 @@ def report_md(args: argparse.Namespace, s: dict[str, Any], line: str, command: s
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if not torchft_available():
+    # a SIGTERM (`timeout`, a scheduler) unwinds through the runners' cleanup: the peers' agents run in sessions of
+    # their own and restart their workers, so left behind they train on for ever (seen: a timed-out run's agents
+    # took half the machine from the next benchmark)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if not torchft_available(args.peer_python):
         sys.exit(INSTALL_HINT)
+    args.peer = peer_versions(args.peer_python)  # named in every record and report: which torchft ran
+    if args.peer_pg == "native" and not args.peer["in_place"]:
+        sys.exit(f"--peer-pg native needs torch >= 2.14 in the peer's environment; it has {args.peer['torch_version']}")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # every process of every system inherits it
     out = fresh_out_dir(args)
     out.mkdir(parents=True)
@@ -391,6 +409,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return {"summary": s, "headline": h}
 
 
+def _peer_line(args: argparse.Namespace) -> str:
+    peer = args.peer or {}
+    return (f"peer: {peer.get('torchft_version')} on torch {peer.get('torch_version')}, process group "
+            f"{args.peer_pg} ({args.peer_python})")
+
+
 def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequence[str] | None) -> dict[str, Any]:
     """``--clockwork-only``: the Clockwork runs alone, with torchft-mar / ReCoVer's time to N per T."""
     M = M_of(args)
@@ -403,7 +427,7 @@ def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequen
                          ratio(d["torchft-mar"]["time_to_n_full_batch_s"], d[k]["time_to_n_full_batch_s"])
                          for T, d in clock.items() for k in d if k.startswith("recover") and "torchft-mar" in d}
     command = command_line(argv, "benchmarks/vs_torchft.py")
-    md = "\n".join([f"command: `{command}`", "", f"machine: {machine_line()}", "",
+    md = "\n".join([f"command: `{command}`", "", f"machine: {machine_line()}", "", _peer_line(args), "",
                      clockwork_table({"clockwork": clock}, M, args.micro_batch), "",
                      " ".join(f"{name}={r:.4g}" for name, r in {**ratios, **ratios_full_batch}.items())]) + "\n"
     write_json(out / "vs_torchft_clockwork.json", {"command": command, "machine": machine_line(),

@@ -36,16 +36,28 @@ INSTALL_HINT = ("torchft is not installed: `pip install -e .[peers]` (or `.venv/
                 "it needs torch >= 2.7 and runs on CPU with gloo)")
 
 
-def torchft_available() -> bool:
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        return False
-    return lighthouse_binary() is not None
+_VERSIONS = """
+import importlib.metadata as m, json, torch, torchft
+name = next(d.metadata["Name"] for d in m.distributions() if d.metadata["Name"].lower().startswith("torchft"))
+print(json.dumps({"torch_version": torch.__version__, "torchft_version": f"{name} {m.version(name)}",
+                  "in_place": hasattr(torch.distributed.ProcessGroup, "reconfigure")}))
+"""
 
 
-def lighthouse_binary() -> str | None:
-    here = Path(sys.executable).parent / "torchft_lighthouse"
+def peer_versions(python: str = sys.executable) -> dict[str, Any] | None:
+    """What the peer's interpreter runs: ``torch_version``, ``torchft_version`` (the distribution's name and
+    version: ``torchft 0.2.0``, ``torchft-nightly 2026.10.26``) and ``in_place`` (torch's own process groups can be
+    reconfigured in place: torch >= 2.14); None where torchft is not installed there."""
+    proc = subprocess.run([python, "-c", _VERSIONS], capture_output=True, text=True, timeout=120)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+
+
+def torchft_available(python: str = sys.executable) -> bool:
+    return peer_versions(python) is not None and lighthouse_binary(python) is not None
+
+
+def lighthouse_binary(python: str = sys.executable) -> str | None:
+    here = Path(python).parent / "torchft_lighthouse"
     return str(here) if here.exists() else shutil.which("torchft_lighthouse")
 
 
@@ -82,10 +94,30 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _torchrun(nproc: int, port: int, restarts: int, mode: str, spec_path: Path, out: Path,
-              grad_sync: str = "ddp") -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+              grad_sync: str = "ddp", python: str = sys.executable, pg: str = "torchft") -> list[str]:
+    return [python, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
             f"--master_port={port}", f"--max_restarts={restarts}", "--monitor_interval=0.1", str(WORKER),
-            "--mode", mode, "--spec", str(spec_path), "--out", str(out), "--grad-sync", grad_sync]
+            "--mode", mode, "--spec", str(spec_path), "--out", str(out), "--grad-sync", grad_sync, "--pg", pg]
+
+
+_STORE_HOST = """
+import time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(1e9)
+"""
+
+
+def _native_store(python: str, out: Path) -> tuple[subprocess.Popen, int]:
+    """The bootstrap store that torch's reconfigurable gloo groups are built on (``--pg native``): hosted by a
+    process of its own, so that it outlives any replica group's restart."""
+    proc = subprocess.Popen([python, "-c", _STORE_HOST], stdout=subprocess.PIPE, stderr=open(out / "store.log", "ab"),
+                            text=True, start_new_session=True)
+    line = proc.stdout.readline() if proc.stdout is not None else ""
+    if not line.strip().isdigit():
+        _kill_group(proc)
+        raise RuntimeError(f"the native store did not start:\n{_tail(out / 'store.log')}")
+    return proc, int(line)
 
 
 class Records:
@@ -154,9 +186,12 @@ def committed_steps(records: Records) -> dict[int, dict[str, Any]]:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, **extra}
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # the benchmark's library and the project's sample stream (numpy and torch only): importable from a peer's own
+    # virtual environment too, where the project is not installed
+    paths = os.pathsep.join([str(root), str(root / "src")])
+    env["PYTHONPATH"] = paths + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -193,29 +228,36 @@ def run_ddp(spec: TrainSpec, out: Path, replicas: int, timeout_s: float) -> Syst
 
 
 def run_torchft(spec: TrainSpec, out: Path, replicas: int, faults: list[Fault], timeout_s: float,
-                grad_sync: str = "ddp", max_restarts: int = 1000, name: str = "torchft") -> SystemRun:
+                grad_sync: str = "ddp", max_restarts: int = 1000, name: str = "torchft",
+                python: str = sys.executable, pg: str = "torchft") -> SystemRun:
     """torchft: a lighthouse and one restarting torchrun agent per replica group; ``faults`` sent from outside
     to the groups' worker processes. Returns when every group's worker finished its last step, or
     ``DONE_GRACE_S`` after the first one did (then the job's work is done; a group that was still restarting
     would find no live peer to heal from and start again from step 0, so it is stopped and its records of
     that incarnation are ignored). ``max_restarts`` per agent: as many as ReCoVer's launcher gets in the
     Clockwork (``--max-restarts 1000``); with 20, a 2-core AMD EPYC machine at T = 10 s (a kill every 10 s, 30 in
-    a run of 300 s) used up one agent's restarts and the run failed."""
+    a run of 300 s) used up one agent's restarts and the run failed. ``python``: the peer's interpreter (its own
+    virtual environment: ``scripts/setup_peer_venv.sh``); ``pg``: ``torchft`` (torchft's gloo wrapper, rebuilt at
+    each quorum change) or ``native`` (torch's own gloo group made with ``enable_reconfigure``, which the Manager
+    reconfigures in place: torch >= 2.14)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     spec.dump(out / "spec.json")
     port = free_port()
-    lighthouse = _popen([lighthouse_binary() or "torchft_lighthouse", *LIGHTHOUSE_ARGS, "--bind", f"[::]:{port}"],
-                        out / "lighthouse.log", _env({"RUST_LOG": os.environ.get("RUST_LOG", "warn")}))
+    lighthouse = _popen([lighthouse_binary(python) or "torchft_lighthouse", *LIGHTHOUSE_ARGS, "--bind",
+                         f"[::]:{port}"], out / "lighthouse.log",
+                        _env({"RUST_LOG": os.environ.get("RUST_LOG", "warn")}))
     agents: list[subprocess.Popen] = []
+    store = _native_store(python, out) if pg == "native" else None
+    native = {"VS_TORCHFT_NATIVE_STORE": f"127.0.0.1:{store[1]}"} if store is not None else {}
     try:
         _wait_port(port, lighthouse)
         t0 = time.time()
         for r in range(replicas):
             env = _env({"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "REPLICA_GROUP_ID": str(r),
-                        "NUM_REPLICA_GROUPS": str(replicas)})
-            agents.append(_popen(_torchrun(1, free_port(), max_restarts, "torchft", out / "spec.json", out, grad_sync),
-                                 out / f"torchrun{r}.log", env))
+                        "NUM_REPLICA_GROUPS": str(replicas), **native})
+            agents.append(_popen(_torchrun(1, free_port(), max_restarts, "torchft", out / "spec.json", out, grad_sync,
+                                           python, pg), out / f"torchrun{r}.log", env))
         records, driver = Records(out, replicas), FaultDriver(faults)
         while any(a.poll() is None for a in agents):
             if time.time() - t0 > timeout_s:
@@ -233,3 +275,5 @@ def run_torchft(spec: TrainSpec, out: Path, replicas: int, faults: list[Fault], 
         for a in agents:
             _kill_group(a)
         _kill_group(lighthouse)
+        if store is not None:
+            _kill_group(store[0])

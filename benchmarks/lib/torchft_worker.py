@@ -120,7 +120,22 @@ def _wait_for_peers(out: Path, replica: int, replicas: int, timeout_s: float = 3
         time.sleep(0.05)
 
 
-def build_torchft(spec: TrainSpec, replica: int, grad_sync: str) -> tuple[Any, torch.nn.Module, Any]:
+def native_group(replica: int, replicas: int, timeout: timedelta) -> dist.ProcessGroup:
+    """torch's own gloo group made with ``enable_reconfigure`` (torch >= 2.14): torchft's Manager reconfigures it in
+    place at each quorum change, where its own gloo wrapper builds a new group. It connects nothing when made; its
+    bootstrap store is the runner's (``VS_TORCHFT_NATIVE_STORE``), and it is built as torchft's own integration test
+    builds it (one process per replica group: initial rank = the replica group)."""
+    host, port = os.environ["VS_TORCHFT_NATIVE_STORE"].rsplit(":", 1)
+    store = dist.PrefixStore("native/0", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False))
+    pg = dist.ProcessGroup(store, replica, replicas)
+    backend = dist.ProcessGroupGloo(store, replica, replicas, timeout=timeout, enable_reconfigure=True)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def build_torchft(spec: TrainSpec, replica: int, grad_sync: str, pg_kind: str = "torchft",
+                  replicas: int = 1) -> tuple[Any, torch.nn.Module, Any]:
     """Manager, wrapped model and wrapped optimizer, as torchft's DDP example builds them (gloo, HTTP transport).
 
     The state a healing replica receives is the model and the optimizer; the optimizer's LR in it is the one
@@ -141,8 +156,9 @@ def build_torchft(spec: TrainSpec, replica: int, grad_sync: str) -> tuple[Any, t
         for group in opt.param_groups:
             group["lr"] = lr_at(spec, holder["manager"].current_step() + 1)
 
+    pg_timeout = timedelta(seconds=float(os.environ.get("VS_TORCHFT_PG_TIMEOUT_S", 5)))
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=float(os.environ.get("VS_TORCHFT_PG_TIMEOUT_S", 5)))),
+        pg=native_group(replica, replicas, pg_timeout) if pg_kind == "native" else ProcessGroupGloo(timeout=pg_timeout),
         min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
         replica_id=f"vs_torchft_{replica}", timeout=timedelta(seconds=30),
         init_sync=False,  # every replica draws the same seeded init (torchft's documented option for this)
@@ -164,13 +180,21 @@ def allreduce_grads(manager: Any, model: torch.nn.Module) -> None:
         g.copy_(reduced)
 
 
-def run_torchft(spec: TrainSpec, out: Path, replica: int, replicas: int, grad_sync: str) -> None:
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    name = next(d.metadata["Name"] for d in md.distributions() if d.metadata["Name"].lower().startswith("torchft"))
+    return {"torch_version": torch.__version__, "torchft_version": f"{name} {md.version(name)}"}
+
+
+def run_torchft(spec: TrainSpec, out: Path, replica: int, replicas: int, grad_sync: str,
+                pg_kind: str = "torchft") -> None:
     """torchft's DDP loop: zero_grad (starts the quorum), forward/backward (allreduce in the DDP comm hook, or
     after the backward through ``Manager.allreduce``), step (commits only if the replica group can); the step
     number and LR follow ``current_step()``."""
     log = Log(out / f"replica{replica}.jsonl", replica)
-    log.write(event="start")
-    manager, model, opt = build_torchft(spec, replica, grad_sync)
+    log.write(event="start", pg=pg_kind, **_versions())
+    manager, model, opt = build_torchft(spec, replica, grad_sync, pg_kind, replicas)
     no_sync = model.no_sync if grad_sync == "ddp" else _null
     stream = KJVStream(spec)
     indices = chunk(spec.M, replicas, replica)
@@ -207,6 +231,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--grad-sync", choices=["ddp", "manager"], default="ddp",
                     help="torchft only: its DDP wrapper, or Manager.allreduce after the backward")
+    ap.add_argument("--pg", choices=["torchft", "native"], default="torchft",
+                    help="torchft only: its gloo wrapper, or torch's own gloo group reconfigured in place")
     args = ap.parse_args()
     spec, out = TrainSpec.load(Path(args.spec)), Path(args.out)
     torch.manual_seed(spec.seed)
@@ -214,7 +240,7 @@ def main() -> None:
         run_ddp(spec, out)
     else:
         replica, replicas = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
-        run_torchft(spec, out, replica, replicas, args.grad_sync)
+        run_torchft(spec, out, replica, replicas, args.grad_sync, args.pg)
 
 
 if __name__ == "__main__":

@@ -54,4 +54,9 @@ def test_vs_torchft_quick(tmp_path):
     for system, c in s["clockwork"]["0.5"].items():
         assert c["reached"] and c["kills_sent"] == 1, (system, c)
     assert s["clockwork"]["0.5"]["recover"]["useful_fraction"] == 1.0
-    assert (out / "vs_torchft.md").is_file()
+    # every report names the peer that ran (here the project's own environment: torchft 0.2.0 on torch 2.13)
+    peer = json.loads((out / "vs_torchft.json").read_text())["args"]["peer"]
+    import torch
+
+    assert peer["torchft_version"].startswith("torchft ") and peer["torch_version"] == torch.__version__, peer
+    assert f"peer: {peer['torchft_version']} on torch {torch.__version__}" in (out / "vs_torchft.md").read_text()

@@ -152,10 +152,16 @@ def test_a_watchers_own_pause_never_counts_as_its_peers_silence(heard: list[floa
 
 def test_a_kill_order_is_done_when_its_target_dies_or_runs_again_in_a_broken_replica() -> None:
     """The case of a CI failure: a paused node's two ranks were asked to kill each other; one killed its mate first
-    and ran on. Its own kill order is done (its replica lost a rank), but never while it is still silent."""
+    and ran on. Its own kill order is done (its replica lost a rank), but never while it is silent now."""
     dead = {3}.__contains__
-    assert kill_order_done(True, (), dead, target_heard_since=False)  # the target died
-    assert kill_order_done(False, (3,), dead, target_heard_since=True)  # woke, and its mate is gone
-    assert not kill_order_done(False, (3,), dead, target_heard_since=False)  # still frozen: it would hang the repair
-    assert not kill_order_done(False, (1,), dead, target_heard_since=True)  # woke, its replica whole: still owed
-    assert not kill_order_done(False, (), dead, target_heard_since=True)  # no mates (in the pool): still owed
+    ordered, now = 100.0, 105.0
+    assert kill_order_done(True, (), dead, heard_at=50.0, ordered_at=ordered, now=now)  # the target died
+    assert kill_order_done(False, (3,), dead, heard_at=now - 0.5, ordered_at=ordered, now=now)  # runs, mate gone
+    # never heard since the order (a frozen target would hang the repair), or heard at the order's own time (both
+    # moved to the same moment by the watcher's own pause)
+    assert not kill_order_done(False, (3,), dead, heard_at=90.0, ordered_at=ordered, now=now)
+    assert not kill_order_done(False, (3,), dead, heard_at=ordered, ordered_at=ordered, now=now)
+    # heard once after the order, silent again since: frozen again, still owed
+    assert not kill_order_done(False, (3,), dead, heard_at=ordered + 1.0, ordered_at=ordered, now=ordered + 10.0)
+    assert not kill_order_done(False, (1,), dead, heard_at=now, ordered_at=ordered, now=now)  # replica whole: owed
+    assert not kill_order_done(False, (), dead, heard_at=now, ordered_at=ordered, now=now)  # in the pool: owed

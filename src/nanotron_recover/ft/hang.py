@@ -291,8 +291,11 @@ class HangMonitor:
         dead = self._dead | set(self._known_dead())
         live = set(self._live_ranks()) - dead
         for order in self._kills:
-            if not order.confirmed and self._order_done(order, dead, live):
+            if not order.confirmed and self._order_done(order, dead, live, now):
                 order.confirmed = True
+                peer = self._peers.get(order.target)
+                if peer is not None and order.at < peer.last_heard and now - peer.last_heard <= 2 * HEARTBEAT_PERIOD_S:
+                    peer.reported = False  # it runs again (in the pool): watched again, killed if silent again
         self._check_peers(now, live)
         self._check_self(now, live)
         self._check_kills(now)
@@ -382,13 +385,13 @@ class HangMonitor:
                               f"alive {KILL_CONFIRM_S:g} s after its kill was ordered (no live rank on that host?)")
                 return
 
-    def _order_done(self, order: _KillOrder, dead: set[int], live: set[int]) -> bool:
+    def _order_done(self, order: _KillOrder, dead: set[int], live: set[int], now: float) -> bool:
         def gone(rank: int) -> bool:
             return rank in dead or rank not in live
 
         peer = self._peers.get(order.target)
         return kill_order_done(gone(order.target) or self._gone_here(order), order.mates, gone,
-                               peer is not None and peer.last_heard > order.at)
+                               peer.last_heard if peer is not None else order.at, order.at, now)
 
     def _gone_here(self, order: "_KillOrder") -> bool:
         """A target on my host is confirmed dead by the process table: Open MPI's death notice may come many
@@ -405,14 +408,14 @@ class HangMonitor:
                 and r not in self._dead]
 
     def _kill(self, target: int, now: float, helpers: list[int] | None, live: set[int]) -> None:
-        grid = self._assignment() if self._assignment is not None else self.layout
-        replica = grid.replica_of(target)
-        mates = () if replica is None else tuple(r for r in grid.ranks_of(replica) if r != target and r in live)
-        self._kills.append(_KillOrder(target, now, mates))
         if helpers is None:
             self._kill_local(target)
         else:
             self._send_to(helpers, _KILL, target, 0)
+        grid = self._assignment() if self._assignment is not None else self.layout
+        replica = grid.replica_of(target)
+        mates = () if replica is None else tuple(r for r in grid.ranks_of(replica) if r != target and r in live)
+        self._kills.append(_KillOrder(target, now, mates))
 
     def _kill_local(self, target: int) -> None:
         try:

@@ -171,12 +171,15 @@ def excuse_own_pause(times: Sequence[float], paused_s: float, now: float) -> lis
 
 
 def kill_order_done(target_gone: bool, mates_at_order: Sequence[int], gone: Callable[[int], bool],
-                    target_heard_since: bool) -> bool:
-    """Whether a kill order needs no more waiting: its target is gone, or it runs again (heard after the order) and
-    one of the replica-mates it had when the order was given is gone, so the repair takes its replica out anyway.
+                    heard_at: float, ordered_at: float, now: float) -> bool:
+    """Whether a kill order needs no more waiting: its target is gone, or it runs again (heard after the order, and
+    within two heartbeat periods of ``now``) and one of the replica-mates it had when the order was given is gone, so
+    the repair takes its replica out anyway.
 
     The second case is the replica as the unit of failure. Seen on CI: a whole node was paused, its two ranks were
     reported silent by the other node's ranks, each kill was asked of the other rank of the paused node, and when the
     node woke one of them killed its mate first; the survivor, running and beating again in the pool, was taken for
-    a kill that failed, and the job ended. A target still frozen is never excused: it would hang the repair."""
-    return target_gone or (target_heard_since and any(gone(m) for m in mates_at_order))
+    a kill that failed, and the job ended. A target silent now is never excused, even if it was heard after the order:
+    a frozen rank would hang the repair."""
+    running = ordered_at < heard_at and now - heard_at <= 2 * HEARTBEAT_PERIOD_S
+    return target_gone or (running and any(gone(m) for m in mates_at_order))

@@ -402,11 +402,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     write_json(out / "vs_torchft.json", {"command": command, "machine": machine_line(), "args": vars(args),
                                          "summary": s, "headline": h})
     write_record("vs_torchft", argv=argv, command=command, args=args, samples={"summary": s, "headline": h},
-                 figures=figures({"summary": s, "headline": h}))
+                 figures={**figures({"summary": s, "headline": h}), **peer_figures(args)})
     (out / "vs_torchft.md").write_text(md)
     print(md, flush=True)
     print(line)
     return {"summary": s, "headline": h}
+
+
+def peer_figures(args: argparse.Namespace) -> dict[str, str]:
+    """The peer that ran, as the record's figures (the pages name it beside the ratios)."""
+    peer = args.peer or {}
+    return {"peer_torchft": str(peer.get("torchft_version")), "peer_torch": str(peer.get("torch_version")),
+            "peer_process_group": "torch's own gloo group, reconfigured in place" if args.peer_pg == "native"
+            else "torchft's gloo wrapper, rebuilt at each quorum change"}
 
 
 def _peer_line(args: argparse.Namespace) -> str:
@@ -436,7 +444,7 @@ def clockwork_only(args: argparse.Namespace, data: Path, out: Path, argv: Sequen
     spare = "_spare" if "recover+spare" in args.clockwork_systems else ""
     write_record(f"vs_torchft_clockwork{spare}", argv=argv, command=command, args=args,
                  samples={"clockwork": clock, "ratios": ratios, "ratios_full_batch": ratios_full_batch},
-                 figures=clockwork_figures(clock, {**ratios, **ratios_full_batch}))
+                 figures={**clockwork_figures(clock, {**ratios, **ratios_full_batch}), **peer_figures(args)})
     (out / "vs_torchft_clockwork.md").write_text(md)
     print(md, flush=True)
     return {"clockwork": clock, "ratios": ratios, "ratios_full_batch": ratios_full_batch}

@@ -176,21 +176,21 @@ ROWS: tuple[Row, ...] = (
     Row("vs_torchft", "failure-free step: ReCoVer / torchft (DDP wrapper) / torchft (`Manager.allreduce`) / plain "
         "DDP", "{recover_step_ms:.1f} / {torchft_step_ms:.1f} / {torchft_mar_step_ms:.1f} / {ddp_step_ms:.1f} ms",
         "medians of the runs' median steps; 2 ranks on 2 cores, the same model, samples and optimizer"),
-    Row("vs_torchft_clockwork", "time to 1000 steps, a replica SIGKILLed every T s: torchft / ReCoVer with regrow "
-        "(decided by the launcher; in-place relaunch from a warm standby started after each loss, `standby: "
-        "after_loss`)",
+    Row("vs_torchft_clockwork", "time to 1000 steps, a replica SIGKILLed every T s: torchft ({peer_torchft} on torch "
+        "{peer_torch}, {peer_process_group}) / ReCoVer with regrow (decided by the launcher; in-place relaunch from a "
+        "warm standby started after each loss, `standby: after_loss`)",
         "{recover_regrow_vs_torchft_time_to_N_T10:.3f} (T = 10 s), {recover_regrow_vs_torchft_time_to_N_T20:.3f} "
         "(20 s), {recover_regrow_vs_torchft_time_to_N_T40:.3f} (40 s); 1000 full-batch steps: "
         "{recover_regrow_vs_torchft_time_to_N_full_batch_T10:.3f}, "
         "{recover_regrow_vs_torchft_time_to_N_full_batch_T20:.3f}, "
         "{recover_regrow_vs_torchft_time_to_N_full_batch_T40:.3f}",
-        "> 1: ReCoVer sooner; every relaunch warm, the stop 1 step after the launcher's decision. With the "
-        "decision inside the step (2d04daa, 2026-12-05): 1.309, 1.142, 1.053; before regrow (2026-12-04): 0.985, "
-        "0.867, 0.841; at another seed and N (403bfd4): 0.903. One run per T: at 20 and 40 s (2-5 kills) the two are "
-        "even within the spread between runs; the goal (>= 1.05 at every T) is issue #53's",
-        ("time to 1000 steps, a replica killed every T s, 2 processes", "torchft / ReCoVer with regrow "
-         "{recover_regrow_vs_torchft_time_to_N_T10:.3f} (T = 10 s), {recover_regrow_vs_torchft_time_to_N_T40:.3f} "
-         "(40 s); > 1: ReCoVer sooner")),
+        "> 1: ReCoVer sooner; every relaunch warm, the stop 1 step after the launcher's decision. Against torchft "
+        "0.2.0 on torch 2.13 (its group rebuilt at each quorum change; seed 0, the 2-core Intel machine, 2026-12-07): "
+        "1.347, 1.046, 1.077; before regrow (2026-12-04): 0.985, 0.867, 0.841. One run per T and one seed: at 20 and "
+        "40 s (3-10 kills) read the ratio with the spread between runs; three seeds and two N are issue #56's",
+        ("time to 1000 steps, a replica killed every T s, 2 processes", "torchft ({peer_torchft}, torch "
+         "{peer_torch}) / ReCoVer with regrow {recover_regrow_vs_torchft_time_to_N_T10:.3f} (T = 10 s), "
+         "{recover_regrow_vs_torchft_time_to_N_T40:.3f} (40 s); > 1: ReCoVer sooner")),
     Row("vs_torchft_clockwork_spare", "the same, ReCoVer with one spare replica (3 processes)",
         _TORCHFT_T.replace("recover_vs", "recover_spare_vs"),
         "the spare takes a dead replica's slot at once; once it is used, as above"),

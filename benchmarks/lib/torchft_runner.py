@@ -111,8 +111,9 @@ time.sleep(1e9)
 def _native_store(python: str, out: Path) -> tuple[subprocess.Popen, int]:
     """The bootstrap store that torch's reconfigurable gloo groups are built on (``--pg native``): hosted by a
     process of its own, so that it outlives any replica group's restart."""
-    proc = subprocess.Popen([python, "-c", _STORE_HOST], stdout=subprocess.PIPE, stderr=open(out / "store.log", "ab"),
-                            text=True, start_new_session=True)
+    with open(out / "store.log", "ab") as err:
+        proc = subprocess.Popen([python, "-c", _STORE_HOST], stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
     line = proc.stdout.readline() if proc.stdout is not None else ""
     if not line.strip().isdigit():
         _kill_group(proc)

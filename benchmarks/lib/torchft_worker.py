@@ -180,20 +180,13 @@ def allreduce_grads(manager: Any, model: torch.nn.Module) -> None:
         g.copy_(reduced)
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    name = next(d.metadata["Name"] for d in md.distributions() if d.metadata["Name"].lower().startswith("torchft"))
-    return {"torch_version": torch.__version__, "torchft_version": f"{name} {md.version(name)}"}
-
-
 def run_torchft(spec: TrainSpec, out: Path, replica: int, replicas: int, grad_sync: str,
                 pg_kind: str = "torchft") -> None:
     """torchft's DDP loop: zero_grad (starts the quorum), forward/backward (allreduce in the DDP comm hook, or
     after the backward through ``Manager.allreduce``), step (commits only if the replica group can); the step
     number and LR follow ``current_step()``."""
     log = Log(out / f"replica{replica}.jsonl", replica)
-    log.write(event="start", pg=pg_kind, **_versions())
+    log.write(event="start", pg=pg_kind)  # the versions that ran: the runner's record (peer_versions)
     manager, model, opt = build_torchft(spec, replica, grad_sync, pg_kind, replicas)
     no_sync = model.no_sync if grad_sync == "ddp" else _null
     stream = KJVStream(spec)

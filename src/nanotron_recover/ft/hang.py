@@ -65,6 +65,7 @@ from .hang_policy import (
     excuse_own_pause,
     kill_order_done,
     peers_of,
+    runs_again,
 )
 from .layout import ReplicaAssignment, ReplicaLayout
 from .watcher import cancel_quietly
@@ -294,7 +295,7 @@ class HangMonitor:
             if not order.confirmed and self._order_done(order, dead, live, now):
                 order.confirmed = True
                 peer = self._peers.get(order.target)
-                if peer is not None and order.at < peer.last_heard and now - peer.last_heard <= 2 * HEARTBEAT_PERIOD_S:
+                if peer is not None and runs_again(peer.last_heard, order.at, now):
                     peer.reported = False  # it runs again (in the pool): watched again, killed if silent again
         self._check_peers(now, live)
         self._check_self(now, live)

@@ -170,6 +170,12 @@ def excuse_own_pause(times: Sequence[float], paused_s: float, now: float) -> lis
     return [min(now, t + paused_s) for t in times]
 
 
+def runs_again(heard_at: float, ordered_at: float, now: float) -> bool:
+    """A peer whose kill was ordered at ``ordered_at`` runs now: heard after the order, and within two heartbeat
+    periods of ``now`` (heard once and silent again is frozen again)."""
+    return ordered_at < heard_at and now - heard_at <= 2 * HEARTBEAT_PERIOD_S
+
+
 def kill_order_done(target_gone: bool, mates_at_order: Sequence[int], gone: Callable[[int], bool],
                     heard_at: float, ordered_at: float, now: float) -> bool:
     """Whether a kill order needs no more waiting: its target is gone, or it runs again (heard after the order, and
@@ -181,5 +187,4 @@ def kill_order_done(target_gone: bool, mates_at_order: Sequence[int], gone: Call
     node woke one of them killed its mate first; the survivor, running and beating again in the pool, was taken for
     a kill that failed, and the job ended. A target silent now is never excused, even if it was heard after the order:
     a frozen rank would hang the repair."""
-    running = ordered_at < heard_at and now - heard_at <= 2 * HEARTBEAT_PERIOD_S
-    return target_gone or (running and any(gone(m) for m in mates_at_order))
+    return target_gone or (runs_again(heard_at, ordered_at, now) and any(gone(m) for m in mates_at_order))

@@ -109,6 +109,39 @@ def test_the_launcher_exit_code_follows_the_run_not_mpirun(tmp_path: Path) -> No
     assert _judged(tmp_path / "final-save-lost", 1, [0, 0], last_step=10, saved=8) == 3
 
 
+def test_a_job_ended_on_a_full_disk_leaves_no_partial_save(tmp_path: Path, capsys) -> None:
+    """A rank that ends the job on a full disk cannot wait for a background save in flight: its partial folder, which
+    holds the space a person must free, is removed by the launcher once no writer is alive; published checkpoints and
+    the pointer stay. Another ending (a restart) leaves the partial folder to the next launch's publisher."""
+    from nanotron_recover.config import config_from_dict
+    from nanotron_recover.launcher.launch import _judge
+    from nanotron_recover.run.run_folder import record_exit
+    from tests.conftest import make_tiny_config
+
+    config = config_from_dict(make_tiny_config(steps=10, fault_tolerance={"enabled": True}))
+    for case, disk_full in (("full", True), ("restart", False)):
+        run = tmp_path / case
+        checkpoints = run / "checkpoints"
+        (checkpoints / "4").mkdir(parents=True)
+        (checkpoints / "4" / "state.json").write_text("{}")
+        (checkpoints / "latest.txt").write_text("4\n")
+        partial = checkpoints / ".tmp-step-6-abc-e0" / "model"
+        partial.mkdir(parents=True)
+        (partial / "weights.safetensors").write_bytes(b"x" * 3 * 2**20)
+        (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 7)))
+        record_exit(run, 0, 2 if disk_full else 3, "disk full" if disk_full else "restart", disk_full=disk_full)
+        record_exit(run, 1, 3, "the job was ended")
+        assert _judge(run, config, 1) == (2 if disk_full else 3)
+        left = sorted(p.name for p in checkpoints.iterdir())
+        said = capsys.readouterr().err
+        if disk_full:
+            assert left == ["4", "latest.txt"]
+            assert f"removed the unpublished partial save {checkpoints / '.tmp-step-6-abc-e0'} (3.0 MiB)" in said
+        else:
+            assert left == [".tmp-step-6-abc-e0", "4", "latest.txt"]
+            assert "removed" not in said
+
+
 def test_in_an_allocation_with_odd_slots_the_launch_names_whole_replica_slots(tmp_path: Path, monkeypatch) -> None:
     """Slurm gave 3 and 5 slots; 3 replicas of 2 ranks: without ``--host``, ranks 0-2 would fill the first node and
     replica 1 would span both. The launch line names 2 and 4 slots; no placement warning is left."""

@@ -31,9 +31,12 @@ from nanotron_recover.run.outcome import DEFAULT_MAX_STARTUP_FAILURES, NEEDS_PER
 from nanotron_recover.run.run_folder import (
     RunFolderBusy,
     begin_launch,
+    checkpoints_root,
     exit_reasons,
     hold_run_folder,
     ranks_wrote_since,
+    read_exits,
+    remove_partial_saves,
 )
 
 if TYPE_CHECKING:
@@ -289,9 +292,19 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_f
     elif verdict == NEEDS_PERSON:
         print(f"[nanotron-recover] the job cannot go on until a person acts ({detail}): exit {EXIT_NEEDS_PERSON}, "
               "not requeued", file=sys.stderr, flush=True)
+        if any(record.get("disk_full") for record in read_exits(run_dir).values()):
+            _free_partial_saves(checkpoints_root(run_dir, _checkpoints_path(config)))
     if verdict != "done":
         _say_why(run_dir)
     return OUTCOME_EXIT_CODES[verdict]
+
+
+def _free_partial_saves(root: Path) -> None:
+    """A rank ended the job on a full disk: the partial folder of a save in flight (written in the background, its
+    writer ended with the job) holds space the person must free. No writer is alive now: remove it, say so."""
+    for name, held in remove_partial_saves(root):
+        print(f"[nanotron-recover] removed the unpublished partial save {root / name} ({held / 2**20:.1f} MiB)",
+              file=sys.stderr, flush=True)
 
 
 def max_startup_failures_setting() -> int:

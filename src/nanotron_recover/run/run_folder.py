@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -405,12 +406,26 @@ def write_hang_stacks(run_dir: Path, rank: int, step: int, stacks: str) -> Path:
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 LATEST_FILE = "latest.txt"  # in the checkpoints folder: the step of the newest published checkpoint
+PARTIAL_SAVE_PREFIX = ".tmp-step-"  # in the checkpoints folder: a save being written, renamed to its step when done
 
 
 def checkpoints_root(run_dir: Path, checkpoints_path: str = "checkpoints") -> Path:
     """Where the checkpoints are: a relative ``checkpoints_path`` lives in the run dir."""
     root = Path(checkpoints_path)
     return root if root.is_absolute() else Path(run_dir) / root
+
+
+def remove_partial_saves(root: Path) -> list[tuple[str, int]]:
+    """Remove the unpublished partial saves in ``root`` (only when no writer of the run is alive): each one's name
+    and the bytes it held. A rank that ends the job on a full disk cannot wait for a background save in flight, whose
+    partial folder holds space the person must free."""
+    removed = []
+    for folder in sorted(Path(root).glob(f"{PARTIAL_SAVE_PREFIX}*")):
+        held = sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file())
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            removed.append((folder.name, held))
+    return removed
 
 
 def latest_step(root: Path) -> int | None:

@@ -42,7 +42,7 @@ from nanotron_recover.nanotron_compat.serialize import install_cpu_optimizer_che
 from nanotron_recover.run import fence
 from nanotron_recover.run.disk_space import DiskFull, is_disk_full, written_path
 from nanotron_recover.run.exit_codes import NeedsPerson
-from nanotron_recover.run.run_folder import fsync_dir, write_atomically
+from nanotron_recover.run.run_folder import PARTIAL_SAVE_PREFIX, fsync_dir, write_atomically
 from nanotron_recover.training.checkpoint_background import (
     WRITERS,
     BackgroundSave,
@@ -78,7 +78,6 @@ from nanotron_recover.training.checkpoint_resume import (  # noqa: F401 - resolv
 )
 from nanotron_recover.training.training_state import local_tensor
 
-TMP_PREFIX = ".tmp-step-"
 ROOM_FACTOR = 1.25  # a background save's host copy needs this much more than its bytes free (the rest of the host)
 STATE_BYTES_PER_PARAM = 16  # what a copy holds per parameter at most: weights, fp32 masters, two Adam moments
 
@@ -271,7 +270,7 @@ class CheckpointManager:
         self.settle(epoch)  # this writer's earlier save finished (or given up): the leftovers below are dead
         barrier()  # every writer's: a publisher's thread may still be publishing this step (a save retried after a
         # repair), and the verdict below must be read from the same files by every writer
-        tmp = self.root / f"{TMP_PREFIX}{step}-{self.launch_token}-e{epoch}"
+        tmp = self.root / f"{PARTIAL_SAVE_PREFIX}{step}-{self.launch_token}-e{epoch}"
         if self._saved_already(step, publisher):
             return
         me = writer_id()
@@ -280,7 +279,7 @@ class CheckpointManager:
             announce_writer(tmp, me)
             barrier()  # every writer announced (and holds its copy): the publisher knows whom to wait for
             if publisher:
-                for leftover in self.root.glob(f"{TMP_PREFIX}*"):  # killed or given-up writers' (the lock is ours)
+                for leftover in self.root.glob(f"{PARTIAL_SAVE_PREFIX}*"):  # dead writers' (the lock is ours)
                     if leftover != tmp:
                         shutil.rmtree(leftover, ignore_errors=True)
             if captured is not None:

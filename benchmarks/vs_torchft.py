@@ -150,9 +150,10 @@ def recover_ft(spares: int = 0, relaunch_every_s: float | None = None) -> dict[s
 
 # ------------------------------------------------------------------------------------------------ running
 def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps: int, faults: list[Fault],
-               relaunch_every_s: float | None = None) -> SystemRun:
+               relaunch_every_s: float | None = None, recover_settings: dict[str, Any] | None = None) -> SystemRun:
     """One run of system ``kind`` (see the module doc) for ``steps`` steps with ``faults`` sent from outside;
-    ``relaunch_every_s``: ReCoVer is relaunched when it exits 3, and expects that every this many seconds."""
+    ``relaunch_every_s``: ReCoVer is relaunched when it exits 3, and expects that every this many seconds;
+    ``recover_settings``: more of ReCoVer's ``fault_tolerance`` settings (its hang timeout)."""
     from benchmarks.lib.recover_runner import run_recover
     from benchmarks.lib.torchft_runner import run_ddp, run_torchft
 
@@ -166,6 +167,8 @@ def run_system(kind: str, args: argparse.Namespace, data: Path, out: Path, steps
     ft = {"stock": None, "recover": recover_ft(0, relaunch_every_s),
           "recover+spare": recover_ft(1, relaunch_every_s),
           "recover+regrow": {**recover_ft(0, relaunch_every_s), "regrow": "auto", "standby": "after_loss"}}[kind]
+    if ft is not None and recover_settings:
+        ft = {**ft, **recover_settings}
     return run_recover(kind, base_config(args, data, steps, ft), out, faults, bound,
                        relaunch=relaunch_every_s is not None, in_place=kind == "recover+regrow")
 

@@ -5,8 +5,8 @@ of each benchmark.
 
 Where: ``benchmarks/results/records/<benchmark>_<UTC time>.json``, or the folder ``NANOTRON_RECOVER_BENCH_RECORDS``
 names. A script run from the command line (``main()`` without ``argv``) always writes its record; called from
-Python with an explicit ``argv`` (a test, another script) it writes one only where that variable names a folder,
-so that no test run lands among the measurements.
+Python with an explicit ``argv`` (a test, another script), or at a smoke test's size (``--quick``), it writes one
+only where that variable names a folder, so that no test run lands among the measurements.
 
 The schema (``SCHEMA``): ``schema``, ``benchmark``, ``command``, ``commit`` (40 hex digits or ``"unknown"``),
 ``dirty`` (the code differed from the commit: true / false / null when not known), ``date`` (when the record was
@@ -141,6 +141,10 @@ def write_record(name: str, *, argv: Sequence[str] | None, command: str, args: A
     its path, or None where none was written. Says where on stderr (the last stdout line is the script's own)."""
     where = os.environ.get(RECORDS_ENV)
     if argv is not None and not where:
+        return None
+    if getattr(args, "quick", False) and not where:  # a smoke test's size: nothing the pages should take as newest
+        print(f"no record: a --quick run lands among the measurements only where {RECORDS_ENV} names a folder",
+              file=sys.stderr, flush=True)
         return None
     folder = Path(where) if where else RECORDS
     commit, dirty = code_commit()

@@ -2,7 +2,7 @@
 outside, for ``benchmarks/vs_torchft.py``.
 
 Each launch is ``nanotron-recover train --config-file C --run-dir D`` (the console script a user runs; it starts
-``mpirun --with-ft ulfm``). While it runs, :class:`FaultDriver` SIGKILLs rank processes by pid (found with
+``mpirun --with-ft ulfm``). While it runs, :class:`FaultDriver` SIGKILLs (or SIGSTOPs) rank processes by pid (found with
 ``nanotron_recover.launcher.runs.rank_pids``). When the launcher exits 3 (the restart outcome: no replica left) and
 ``relaunch`` is set, the same command runs again in the same run dir, as a user's restart loop would; the job
 resumes from its node-local snapshot of the last committed step. Steps are read from ``metrics.jsonl``.
@@ -21,6 +21,7 @@ from typing import Any
 from benchmarks.lib.outside_faults import Fault, FaultDriver, pid_alive
 from benchmarks.lib.side_by_side import SystemRun
 from nanotron_recover.launcher.runs import final_checkpoint, kill_run_processes, rank_pids, write_config
+from nanotron_recover.run.run_folder import record_external_fault
 
 EXIT_RESTART = 3  # the launcher's documented exit code for "relaunch me" (README, Slurm)
 
@@ -114,10 +115,15 @@ def run_recover(name: str, config: dict[str, Any], run_dir: Path, faults: list[F
     dp, rpr = config["parallelism"]["dp"], config["parallelism"]["tp"] * config["parallelism"]["pp"]
     spares = ft.get("spare_replicas", 0) if ft.get("enabled") else 0
     metrics, t0 = Metrics(run_dir), time.time()
-    driver, launches, rc = FaultDriver(faults), 0, EXIT_RESTART
-    while rc == EXIT_RESTART and launches < (max_launches if relaunch else 1):
-        launches += 1
-        rc = _one_launch(cmd, run_dir, metrics, driver, t0 + timeout_s, rpr)
+    # each fault leaves its marker first: whoever reads the run knows its hang events were provoked from outside
+    driver = FaultDriver(faults, before_signal=lambda n, fault: record_external_fault(run_dir, f"{fault.kind}-{n}"))
+    launches, rc = 0, EXIT_RESTART
+    try:
+        while rc == EXIT_RESTART and launches < (max_launches if relaunch else 1):
+            launches += 1
+            rc = _one_launch(cmd, run_dir, metrics, driver, t0 + timeout_s, rpr)
+    finally:
+        driver.release()
     metrics.poll()
     steps = config["tokens"]["train_steps"]
     if metrics.steps and max(metrics.steps) >= steps and rc in (0, EXIT_RESTART):

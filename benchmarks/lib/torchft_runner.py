@@ -271,6 +271,7 @@ def run_torchft(spec: TrainSpec, out: Path, replicas: int, faults: list[Fault], 
         bad = {r: a.returncode for r, a in enumerate(agents) if a.poll() not in (0, None)}
         if bad and records.first_done is None:
             raise RuntimeError(f"torchft agents failed {bad}:\n{_tail(out / f'torchrun{min(bad)}.log')}")
+        driver.release()
         return _finish(name, out, records, t0, replicas, replicas, driver)
     finally:
         for a in agents:

@@ -156,6 +156,20 @@ def test_a_record_from_python_is_written_only_where_the_variable_names_a_folder(
     assert record_path(tmp_path, "x", 0.0).name == "x_19700101T000000Z-2.json"
 
 
+def test_a_quick_run_from_the_command_line_lands_among_the_measurements_only_where_asked(tmp_path, monkeypatch,
+                                                                                         capsys) -> None:
+    """A smoke-test-sized run measures nothing the pages should take as newest (it would replace a real record)."""
+    import argparse
+
+    monkeypatch.delenv(RECORDS_ENV)
+    kw = dict(command=".venv/bin/python benchmarks/x.py --quick", samples=[1.0], figures={"f": 2.0})
+    assert write_record("x", argv=None, args=argparse.Namespace(quick=True), **kw) is None
+    assert "no record: a --quick run" in capsys.readouterr().err
+    monkeypatch.setenv(RECORDS_ENV, str(tmp_path))
+    path = write_record("x", argv=None, args=argparse.Namespace(quick=True), **kw)
+    assert path is not None and path.parent == tmp_path
+
+
 def test_a_new_headline_run_writes_the_record_the_pages_take_as_newest(tmp_path, records_folder) -> None:
     for path in RECORDS.glob("*.json"):
         shutil.copy(path, records_folder)

@@ -110,16 +110,20 @@ def test_a_stop_signal_while_the_launcher_waits_for_its_standby_starts_no_launch
 
 def test_a_standby_that_lost_a_rank_is_not_waited_for(tmp_path):
     """One rank of the ready standby SIGKILLed (its mpirun lives on: a standby runs under ULFM too) at the moment
-    the job's mpirun is lost: the next launch starts within 15 s, cold, and trains (the test then stops it)."""
+    the job's mpirun is lost: the next launch starts within 15 s and trains (the test then stops it): cold, or warm
+    from the replacement standby when the launcher saw the broken one first and the replacement got ready in time
+    (seen on a loaded machine); never from the broken one."""
     cfg = config(tmp_path, LONG)
     with launched(tmp_path, cfg, restarts=1) as (proc, run_dir, log):
         wait_for_ready_standby(proc, ranks=2)
         os.kill(_a_standby_rank(proc.pid), signal.SIGKILL)
         took = lose_the_job_and_time_the_next_launch(proc, run_dir, log)
     output = log.read_text()
-    assert proc.returncode == EXIT_RESTART and read_launches(run_dir)[1]["warm"] is False, output[-3000:]
+    assert proc.returncode == EXIT_RESTART, output[-3000:]
     assert "died while it waited" in output, output[-3000:]
-    print(f"\nstandby rank and job lost at once: next launch {took:.1f} s later (cold)")
+    warm = read_launches(run_dir)[1]["warm"]
+    assert not warm or "died while it waited); starting another" in output, output[-3000:]
+    print(f"\nstandby rank and job lost at once: next launch {took:.1f} s later ({'warm' if warm else 'cold'})")
 
 
 def test_a_standby_that_lost_a_rank_is_replaced_and_the_relaunch_is_warm(tmp_path):

@@ -163,7 +163,9 @@ def test_a_lost_node_requeues_the_multi_node_job_and_it_resumes_the_same_traject
     output = log.read_text(errors="replace") if log.exists() else ""
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])
     assert info["Restarts"] == "1", (info, output[-4000:])
-    assert "lost communication with a remote daemon" in output or "failed to report back" in output, output[-4000:]
+    # the launcher judged the first job lost before its last step (PRRTE's own words for the loss, "lost
+    # communication with a remote daemon", are not always printed: its mpirun can be ended by the launcher's watch)
+    assert "the job ended before its last step" in output, output[-4000:]
     assert "launcher exit 3 -> restart" in output and "requeueing job" in output, output[-4000:]
 
     lines = read_metrics_jsonl(run_dir)

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import signal
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -81,6 +83,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="a smoke test's size (see QUICK)")
     ap.add_argument("--out", default="runs/bench/fault_mix")
     ap.add_argument("--timeout-s", type=float, default=3600, help="bound of each run")
+    ap.add_argument("--from-out", default=None,
+                    help="run nothing: the figures of a finished run again, from its --out folder (for figures added "
+                         "since it ran); its own arguments are used")
     add_size_args(ap)
     ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=4096)  # the headline model
     args = ap.parse_args(argv)
@@ -111,6 +116,28 @@ def run_pair(kind: str, args: argparse.Namespace, data: Path, out: Path) -> tupl
     return runs[0], runs[1]
 
 
+def paced_share(steps: dict[int, dict[str, Any]], n: int, replicas: int, M: int) -> tuple[float, float]:
+    """(the run's own pace: the median time between two commits at full width, steps 6..n; the share of its time
+    from step 1 to n that N steps at that pace take, times its useful fraction). Measured inside one run, so a
+    machine whose speed drifts between two runs minutes apart does not enter."""
+    full = [s for s in range(6, n) if s in steps and s + 1 in steps and steps[s]["participants"] == replicas
+            and steps[s + 1]["participants"] == replicas]
+    pace = statistics.median(steps[s + 1]["time"] - steps[s]["time"] for s in full)
+    useful = sum(steps[s]["microbatches"] for s in range(1, n + 1)) / (n * M)
+    return pace, (n - 1) * pace / (steps[n]["time"] - steps[1]["time"]) * useful
+
+
+def drift_free(ff: dict[int, dict[str, Any]], mix: dict[int, dict[str, Any]], args: argparse.Namespace,
+               faults: int) -> dict[str, float]:
+    """Kept throughput with each run measured against its own full-width pace (the mix's share over the
+    failure-free run's), and the seconds the faults cost beyond what the failure-free run lost the same way."""
+    n, M = args.steps, args.replicas * args.accumulation
+    (pace_ff, share_ff), (pace_mix, share_mix) = (paced_share(x, n, args.replicas, M) for x in (ff, mix))
+    lost = [(x[n]["time"] - x[1]["time"]) - (n - 1) * pace for x, pace in ((ff, pace_ff), (mix, pace_mix))]
+    return {"kept_throughput_drift_free": share_mix / share_ff, "pace_ff_s": pace_ff, "pace_mix_s": pace_mix,
+            "fault_cost_s": lost[1] - lost[0], "fault_cost_per_fault_s": (lost[1] - lost[0]) / max(1, faults)}
+
+
 def numbers(ff: SystemRun, mix: SystemRun, args: argparse.Namespace) -> dict[str, Any]:
     """One system's figures: kept throughput, trajectory, what was sent."""
     M = args.replicas * args.accumulation
@@ -119,6 +146,7 @@ def numbers(ff: SystemRun, mix: SystemRun, args: argparse.Namespace) -> dict[str
     first_n = lambda s: s <= args.steps  # noqa: E731
     full = full_steps(mix, M)
     return {
+        **drift_free(ff.steps, mix.steps, args, sum(1 for k in mix.kills if k.pid is not None)),
         "kept_throughput": ratio(rate["mix"], rate["ff"]),
         "samples_per_s_ff": rate["ff"], "samples_per_s_mix": rate["mix"],
         "time_to_n_ff_s": a["time_to_n_from_first_step_s"], "time_to_n_mix_s": b["time_to_n_from_first_step_s"],
@@ -135,30 +163,69 @@ def numbers(ff: SystemRun, mix: SystemRun, args: argparse.Namespace) -> dict[str
 
 def table(s: dict[str, dict[str, Any]]) -> str:
     rows = [[k, c["kills_sent"], c["stops_sent"], f"{c['time_to_n_ff_s']:.1f}", f"{c['time_to_n_mix_s']:.1f}",
-             f"{c['useful_fraction']:.3f}", f"{c['kept_throughput']:.3f}", f"{c['max_dloss']:.2e}"]
+             f"{c['useful_fraction']:.3f}", f"{c['kept_throughput']:.3f}",
+             f"{c['kept_throughput_drift_free']:.3f}", f"{c['fault_cost_per_fault_s']:.1f}", f"{c['max_dloss']:.2e}"]
             for k, c in s.items()]
     return md_table(["system", "kill -9", "SIGSTOP", "N steps failure-free (s)", "N steps under the mix (s)",
-                     "useful samples", "kept throughput", "max \\|dloss\\|"], rows)
+                     "useful samples", "kept throughput", "kept, each run at its own pace", "s per fault",
+                     "max \\|dloss\\|"], rows)
+
+
+def figures_of(s: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    recover, peer = s.get("recover+regrow", {}), s.get("torchft-mar", {})
+    return {"recover_kept_throughput": recover.get("kept_throughput"),
+            "torchft_kept_throughput": peer.get("kept_throughput"),
+            "recover_kept_throughput_drift_free": recover.get("kept_throughput_drift_free"),
+            "torchft_kept_throughput_drift_free": peer.get("kept_throughput_drift_free"),
+            "recover_fault_cost_per_fault_s": recover.get("fault_cost_per_fault_s"),
+            "torchft_fault_cost_per_fault_s": peer.get("fault_cost_per_fault_s"),
+            "recover_max_dloss": recover.get("max_dloss"), "torchft_max_dloss": peer.get("max_dloss"),
+            "faults_sent": max((c["kills_sent"] + c["stops_sent"] for c in s.values()), default=0),
+            "replica_groups": args.replicas, "mean_gap_s": round(args.mean_gap_s, 1),
+            **(peer_figures(args) if args.peer else {})}
+
+
+def reread(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--from-out``: the figures of a finished run again, from its folders (each system's per-step records), for
+    figures added since it ran; what it sent and measured before is kept from its ``fault_mix.json``."""
+    from benchmarks.lib.recover_runner import Metrics
+    from benchmarks.lib.torchft_runner import Records, committed_steps
+
+    def steps(kind: str, folder: Path) -> dict[int, dict[str, Any]]:
+        if kind.startswith("torchft"):
+            records = Records(folder, args.replicas)
+            records.poll()
+            return committed_steps(records)
+        metrics = Metrics(folder)
+        metrics.poll()
+        return {n: {"time": r["time"], "microbatches": r["microbatches"],
+                    "participants": r.get("live_replicas", args.replicas)} for n, r in metrics.steps.items()}
+
+    s = json.loads((out / "fault_mix.json").read_text())["systems"]
+    for kind, c in s.items():
+        faults = c["kills_sent"] + c["stops_sent"]
+        c.update(drift_free(steps(kind, out / f"ff_{kind}"), steps(kind, out / f"mix_{kind}"), args, faults))
+    return s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: the peers' agents go
-    if "torchft-mar" in args.systems and not torchft_available(args.peer_python):
-        sys.exit(INSTALL_HINT)
-    args.peer = peer_versions(args.peer_python) if "torchft-mar" in args.systems else None
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    out = fresh_out_dir(args)
-    out.mkdir(parents=True)
-    data = prepare_data(args, out)
-    s = {kind: numbers(*run_pair(kind, args, data, out), args) for kind in args.systems}
-    recover, peer = s.get("recover+regrow", {}), s.get("torchft-mar", {})
-    figures = {"recover_kept_throughput": recover.get("kept_throughput"),
-               "torchft_kept_throughput": peer.get("kept_throughput"),
-               "recover_max_dloss": recover.get("max_dloss"), "torchft_max_dloss": peer.get("max_dloss"),
-               "faults_sent": max((c["kills_sent"] + c["stops_sent"] for c in s.values()), default=0),
-               "replica_groups": args.replicas, "mean_gap_s": round(args.mean_gap_s, 1),
-               **(peer_figures(args) if args.peer else {})}
+    if args.from_out:
+        out = Path(args.from_out)
+        ran = json.loads((out / "fault_mix.json").read_text())
+        args = argparse.Namespace(**{**ran["args"], "from_out": args.from_out})
+        s = reread(out, args)
+    else:
+        if "torchft-mar" in args.systems and not torchft_available(args.peer_python):
+            sys.exit(INSTALL_HINT)
+        args.peer = peer_versions(args.peer_python) if "torchft-mar" in args.systems else None
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        out = fresh_out_dir(args)
+        out.mkdir(parents=True)
+        data = prepare_data(args, out)
+        s = {kind: numbers(*run_pair(kind, args, data, out), args) for kind in args.systems}
+    figures = figures_of(s, args)
     line = " ".join(f"{k}={figures[k]:.4g}" for k in ("recover_kept_throughput", "torchft_kept_throughput",
                                                        "recover_max_dloss", "torchft_max_dloss")
                     if isinstance(figures[k], float))

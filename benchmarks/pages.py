@@ -46,6 +46,7 @@ SECTIONS = {
     "vs_torchft": "side-by-side-with-torchft-issue-25",
     "vs_torchft_clockwork": "side-by-side-with-torchft-issue-25",
     "vs_torchft_clockwork_spare": "side-by-side-with-torchft-issue-25",
+    "fault_mix": "side-by-side-with-torchft-issue-25",
     "straggler": "stragglers-rebalanced-quotas-issue-26",
     "data_plane": "the-data-plane-mpi-or-a-torch-group-for-the-gradient-bytes-issue-29",
     "fault_campaign": "how-much-to-trust-these-figures",
@@ -194,6 +195,22 @@ ROWS: tuple[Row, ...] = (
     Row("vs_torchft_clockwork_spare", "the same, ReCoVer with one spare replica (3 processes)",
         _TORCHFT_T.replace("recover_vs", "recover_spare_vs"),
         "the spare takes a dead replica's slot at once; once it is used, as above"),
+    Row("fault_mix", "the fault mix: kill -9 and SIGSTOP (past the hang timeout) at seeded random times; kept "
+        "throughput, ReCoVer with regrow / torchft: against a failure-free run minutes apart; each run at its own "
+        "pace; seconds per fault; max \\|Δloss\\| vs failure-free",
+        "{recover_kept_throughput:.3f} / {torchft_kept_throughput:.3f}; **{recover_kept_throughput_drift_free:.3f} / "
+        "{torchft_kept_throughput_drift_free:.3f}**; {recover_fault_cost_per_fault_s:.1f} / "
+        "{torchft_fault_cost_per_fault_s:.1f} s; {recover_max_dloss:.1e} / {torchft_max_dloss:.1e}",
+        "useful samples per second under the mix over failure-free; a failure-free run minutes apart carries the "
+        "machine's drift (6-10 % on 2026-12-07), so the second figure measures each run against its own full-width "
+        "pace. {replica_groups} one-process "
+        "replica groups on the 2 cores, a fault every {mean_gap_s} s on average ({faults_sent} sent), torchft "
+        "{peer_torchft} on torch {peer_torch} ({peer_process_group}). The published chaos run of torchft (32 groups "
+        "on 16 cores, 62 faults in 30 min, partitions too) kept 0.977; no partition here (one host)",
+        ("fault mix (kill -9, SIGSTOP at random times)", "{replica_groups} replica groups, a fault every "
+         "{mean_gap_s} s: kept throughput, each run at its own pace, ReCoVer {recover_kept_throughput_drift_free:.3f}"
+         ", torchft ({peer_torchft}) {torchft_kept_throughput_drift_free:.3f}; max \\|Δloss\\| "
+         "{recover_max_dloss:.1e} (torchft {torchft_max_dloss:.1e})")),
     Row("straggler", "a 2x straggler: step / failure-free step, rebalanced vs static split",
         "**{rebalanced_ratio_x2:.2f}** vs {static_ratio_x2:.2f} (best integer split {ideal_ratio_x2:.2f}); "
         "failure-free step {rebalanced_free_step_ms_x2:.0f} ms",

@@ -44,6 +44,7 @@ def test_fault_mix_quick(tmp_path):
     systems = json.loads((out / "fault_mix.json").read_text())["systems"]
     for name, c in systems.items():
         assert (c["kills_sent"], c["stops_sent"]) == (1, 1), (name, c)  # the seeded mix: one of each, both systems
+        assert 0 < c["kept_throughput_drift_free"] and c["pace_mix_s"] > 0 and c["pace_ff_s"] > 0, (name, c)
     assert systems["recover+regrow"]["useful_fraction"] == 1.0, systems["recover+regrow"]  # M every step
     run = out / "mix_recover+regrow"
     events = read_metrics(run)[1]

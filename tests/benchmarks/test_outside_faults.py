@@ -3,11 +3,12 @@ the driver's SIGSTOP, continued when its time comes or when the run ends (real p
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import time
 
-from benchmarks.fault_mix import PUBLISHED, published_gap_s
+from benchmarks.fault_mix import PUBLISHED, drift_free, paced_share, published_gap_s
 from benchmarks.lib.outside_faults import KILL, STOP, Fault, FaultDriver, fault_mix
 
 
@@ -77,3 +78,31 @@ def test_a_kill_is_sent_to_the_drawn_live_replica() -> None:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _steps(n: int, pace: float, slow: dict[int, tuple[float, int, int]]) -> dict[int, dict]:
+    """n steps one ``pace`` apart at full width (2 replicas, M = 4); ``slow``: step -> (extra s, participants, mbs)."""
+    out, t = {}, 100.0
+    for s in range(1, n + 1):
+        extra, participants, microbatches = slow.get(s, (0.0, 2, 4))
+        t += pace + extra
+        out[s] = {"time": t, "participants": participants, "microbatches": microbatches}
+    return out
+
+
+def test_each_run_is_measured_against_its_own_pace() -> None:
+    """A failure-free run on a slower machine (0.4 s steps) and a mix run on a faster one (0.3 s) with 6 s lost to a
+    fault over 3 degraded steps: the pace of each is its own, the fault's cost is the 6 s, whatever the drift; a
+    dropped share (2 of 4 microbatches in a step) counts against kept throughput."""
+    n = 101
+    ff = _steps(n, 0.4, {})
+    mix = _steps(n, 0.3, {50: (2.0, 1, 4), 51: (2.0, 1, 4), 52: (2.0, 1, 4)})
+    pace, share = paced_share(ff, n, 2, 4)
+    assert abs(pace - 0.4) < 1e-9 and abs(share - 1.0) < 1e-9
+    pace, share = paced_share(mix, n, 2, 4)
+    assert abs(pace - 0.3) < 1e-9 and abs(share - 30.0 / 36.0) < 1e-9
+    args = argparse.Namespace(steps=n, replicas=2, accumulation=2)
+    d = drift_free(ff, mix, args, faults=1)
+    assert abs(d["fault_cost_s"] - 6.0) < 1e-9 and abs(d["kept_throughput_drift_free"] - 30.0 / 36.0) < 1e-9
+    dropped = _steps(n, 0.3, {50: (0.0, 1, 2)})
+    assert abs(drift_free(ff, dropped, args, faults=1)["kept_throughput_drift_free"] - (1 - 2 / (4 * n))) < 1e-9

@@ -24,7 +24,7 @@ be at the fp32 floor; torchft's changes where a step dropped a share).
 
 Prints a table and, last, one line:
   recover_kept_throughput=<a> torchft_kept_throughput=<b> recover_max_dloss=<c> torchft_max_dloss=<d>
-``--quick``: a smoke test's size (2 replicas, a SIGSTOP and a kill -9 within 12 s).
+``--quick``: a smoke test's size (2 replicas, a SIGSTOP after step 20, a kill -9 after step 250).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import signal
 import statistics
@@ -43,7 +44,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lib.config import add_size_args, fresh_out_dir  # noqa: E402
-from benchmarks.lib.outside_faults import KILL, STOP, fault_mix  # noqa: E402
+from benchmarks.lib.outside_faults import KILL, STOP, Fault, fault_mix  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, write_json  # noqa: E402
 from benchmarks.lib.side_by_side import SystemRun, clockwork_numbers, full_steps, max_dloss, ratio  # noqa: E402
@@ -52,10 +53,10 @@ from benchmarks.vs_torchft import peer_figures, prepare_data, run_system  # noqa
 
 PUBLISHED = {"groups": 32, "cores": 16, "faults": 62, "minutes": 30, "kept_throughput": 0.977}
 SYSTEMS = ("recover+regrow", "torchft-mar")
-# a smoke test's size: seed 49 draws a SIGSTOP 0.6 s after the first step (both replicas live, so a peer watches
-# the frozen one) and a kill -9 11.7 s after it
-QUICK = dict(replicas=2, hidden=64, intermediate=128, layers=2, seq=64, micro_batch=2, steps=400, mean_gap_s=8.0,
-             stop_s=6.0, max_faults=2, seed=49)
+# a smoke test's size: its two faults are placed by step, not drawn in time, so that both land on a machine of any
+# speed: a SIGSTOP after step 20 (both replicas live, so a peer watches the frozen one), a kill -9 after step 250
+QUICK = dict(replicas=2, hidden=64, intermediate=128, layers=2, seq=64, micro_batch=2, steps=400, stop_s=10.0)
+QUICK_FAULTS = (Fault(after_step=20, u=0.75, kind=STOP, stop_s=10.0), Fault(after_step=250, u=0.0))
 
 
 def published_gap_s(replicas: int) -> float:
@@ -99,7 +100,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run_pair(kind: str, args: argparse.Namespace, data: Path, out: Path) -> tuple[SystemRun, SystemRun]:
     """``kind`` failure-free, then under the mix (the same seeded faults for every system)."""
-    faults = fault_mix(args.seed, args.mean_gap_s, args.timeout_s, args.stop_share, args.stop_s)[:args.max_faults]
+    faults = list(QUICK_FAULTS) if args.quick else fault_mix(args.seed, args.mean_gap_s, args.timeout_s,
+                                                              args.stop_share, args.stop_s)[:args.max_faults]
     settings = {"hang_timeout_s": args.hang_timeout_s}
     # torchft trains past N: its N-th committed step comes before the job's last
     steps = args.steps + max(10, args.steps // 10) if kind.startswith("torchft") else args.steps
@@ -122,6 +124,8 @@ def paced_share(steps: dict[int, dict[str, Any]], n: int, replicas: int, M: int)
     machine whose speed drifts between two runs minutes apart does not enter."""
     full = [s for s in range(6, n) if s in steps and s + 1 in steps and steps[s]["participants"] == replicas
             and steps[s + 1]["participants"] == replicas]
+    if not full:  # nothing to measure a pace on (too few steps, none at full width twice in a row)
+        return math.nan, math.nan
     pace = statistics.median(steps[s + 1]["time"] - steps[s]["time"] for s in full)
     useful = sum(steps[s]["microbatches"] for s in range(1, n + 1)) / (n * M)
     return pace, (n - 1) * pace / (steps[n]["time"] - steps[1]["time"]) * useful
@@ -211,6 +215,7 @@ def reread(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: the peers' agents go
+    ran: dict[str, Any] = {}
     if args.from_out:
         out = Path(args.from_out)
         ran = json.loads((out / "fault_mix.json").read_text())
@@ -234,9 +239,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"{args.replicas} replica groups, mean gap {args.mean_gap_s:.0f} s between faults, SIGSTOP "
                     f"share {args.stop_share:g} of {args.stop_s:g} s, ReCoVer's hang timeout {args.hang_timeout_s:g} s",
                     "", table(s), "", line]) + "\n"
-    write_json(out / "fault_mix.json", {"command": command, "machine": machine_line(), "args": vars(args),
-                                        "systems": s, "figures": figures})
-    write_record("fault_mix", argv=argv, command=command, args=args, samples={"systems": s}, figures=figures)
+    measured = {"command": ran["command"], "machine": ran["machine"], "reread_by": command} if args.from_out else {
+        "command": command, "machine": machine_line()}
+    write_json(out / "fault_mix.json", {**measured, "args": vars(args), "systems": s, "figures": figures})
+    write_record("fault_mix", argv=argv, command=command, args=args, figures=figures,
+                 samples={"systems": s, **({"measured_by": measured} if args.from_out else {})})
     (out / "fault_mix.md").write_text(md)
     print(md, flush=True)
     print(line)

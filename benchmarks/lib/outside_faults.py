@@ -92,8 +92,8 @@ class FaultDriver:
                 if not _signal(pid, signal.SIGSTOP if fault.kind == STOP else signal.SIGKILL):
                     pid = None
             sent_t = time.time()  # the committed step is read after the kill: the last one before it landed
-            if pid is not None and fault.kind == STOP:
-                self.stopped.append((sent_t + fault.stop_s, pid))
+            if pid is not None and fault.kind == STOP:  # stopped again: its latest stop decides when it goes on
+                self.stopped = [(at, p) for at, p in self.stopped if p != pid] + [(sent_t + fault.stop_s, pid)]
             self.sent.append(SentKill(sent_t, who if pid is not None else None, pid, progress(), fault.at_s,
                                       fault.kind))
 
@@ -109,10 +109,12 @@ class FaultDriver:
 
 
 def _signal(pid: int, sig: int) -> bool:
+    """Whether ``sig`` reached ``pid``. A SIGCONT may find the pid gone (a frozen ReCoVer rank is killed by its
+    peers) or, rarely, reused: a SIGCONT changes nothing for a process that runs."""
     try:
         os.kill(pid, sig)
         return True
-    except ProcessLookupError:
+    except OSError:
         return False
 
 

@@ -106,3 +106,20 @@ def test_each_run_is_measured_against_its_own_pace() -> None:
     assert abs(d["fault_cost_s"] - 6.0) < 1e-9 and abs(d["kept_throughput_drift_free"] - 30.0 / 36.0) < 1e-9
     dropped = _steps(n, 0.3, {50: (0.0, 1, 2)})
     assert abs(drift_free(ff, dropped, args, faults=1)["kept_throughput_drift_free"] - (1 - 2 / (4 * n))) < 1e-9
+
+
+def test_a_process_stopped_twice_goes_on_at_its_latest_stop_s_end() -> None:
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        driver = FaultDriver([Fault(at_s=0.0, replica=0, kind=STOP, stop_s=0.3),
+                              Fault(at_s=0.0, replica=0, kind=STOP, stop_s=600.0)], t0=time.time())
+        driver.poll(lambda: 1, lambda: {0: proc.pid})
+        time.sleep(0.6)
+        driver.poll(lambda: 1, lambda: {0: proc.pid})  # the first stop's end has passed: the second one holds
+        assert _state(proc.pid) == "T" and len(driver.stopped) == 1
+        driver.release()
+        time.sleep(0.2)
+        assert _state(proc.pid) != "T"
+    finally:
+        proc.kill()
+        proc.wait()

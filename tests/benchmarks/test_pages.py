@@ -161,9 +161,13 @@ def test_a_quick_run_from_the_command_line_lands_among_the_measurements_only_whe
     """A smoke-test-sized run measures nothing the pages should take as newest (it would replace a real record)."""
     import argparse
 
+    from benchmarks.lib import record as record_module
+
     monkeypatch.delenv(RECORDS_ENV)
+    monkeypatch.setattr(record_module, "RECORDS", tmp_path / "measurements")  # where a broken guard would write
     kw = dict(command=".venv/bin/python benchmarks/x.py --quick", samples=[1.0], figures={"f": 2.0})
     assert write_record("x", argv=None, args=argparse.Namespace(quick=True), **kw) is None
+    assert not (tmp_path / "measurements").exists()
     assert "no record: a --quick run" in capsys.readouterr().err
     monkeypatch.setenv(RECORDS_ENV, str(tmp_path))
     path = write_record("x", argv=None, args=argparse.Namespace(quick=True), **kw)

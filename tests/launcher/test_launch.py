@@ -142,6 +142,26 @@ def test_a_job_ended_on_a_full_disk_leaves_no_partial_save(tmp_path: Path, capsy
             assert "removed" not in said
 
 
+def test_a_disk_too_full_for_any_exit_record_also_loses_its_partial_save(tmp_path: Path, capsys,
+                                                                         monkeypatch) -> None:
+    """No rank could write its record (the launcher sees the run folder's file system nearly full: exit 2 all the
+    same): the partial save goes too. The free space is what ``shutil.disk_usage`` would say of a full disk."""
+    from nanotron_recover.config import config_from_dict
+    from nanotron_recover.launcher import launch
+    from nanotron_recover.run import outcome
+    from tests.conftest import make_tiny_config
+
+    for module in (launch, outcome):
+        monkeypatch.setattr(module, "free_bytes", lambda path: 4096)
+    config = config_from_dict(make_tiny_config(steps=10, fault_tolerance={"enabled": True}))
+    partial = tmp_path / "checkpoints" / ".tmp-step-6-abc-e0"
+    partial.mkdir(parents=True)
+    (partial / "part").write_bytes(b"x" * 2**20)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert launch._judge(tmp_path, config, 1) == 2
+    assert not partial.exists() and "removed the unpublished partial save" in capsys.readouterr().err
+
+
 def test_in_an_allocation_with_odd_slots_the_launch_names_whole_replica_slots(tmp_path: Path, monkeypatch) -> None:
     """Slurm gave 3 and 5 slots; 3 replicas of 2 ranks: without ``--host``, ranks 0-2 would fill the first node and
     replica 1 would span both. The launch line names 2 and 4 slots; no placement warning is left."""

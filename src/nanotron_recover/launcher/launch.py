@@ -25,6 +25,7 @@ from nanotron_recover.launcher.mpirun import (
     slurm_tasks_per_node,
 )
 from nanotron_recover.launcher.overrides import add_override_args, forwarded_args, load_effective_config
+from nanotron_recover.run.disk_space import NEARLY_FULL_BYTES, free_bytes
 from nanotron_recover.run.exit_codes import EXIT_BAD_INPUT, EXIT_DONE, EXIT_NEEDS_PERSON, EXIT_RESTART
 from nanotron_recover.run.launch_contract import LaunchContract
 from nanotron_recover.run.outcome import DEFAULT_MAX_STARTUP_FAILURES, NEEDS_PERSON, OUTCOME_EXIT_CODES, judge_launch
@@ -292,7 +293,9 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_f
     elif verdict == NEEDS_PERSON:
         print(f"[nanotron-recover] the job cannot go on until a person acts ({detail}): exit {EXIT_NEEDS_PERSON}, "
               "not requeued", file=sys.stderr, flush=True)
-        if any(record.get("disk_full") for record in read_exits(run_dir).values()):
+        free = free_bytes(run_dir)
+        if any(record.get("disk_full") for record in read_exits(run_dir).values()) or (
+                free is not None and free < NEARLY_FULL_BYTES):  # a disk too full even for the exit records
             _free_partial_saves(checkpoints_root(run_dir, _checkpoints_path(config)))
     if verdict != "done":
         _say_why(run_dir)
@@ -301,8 +304,16 @@ def _judge(run_dir: Path, config: "RecoverConfig", mpirun_rc: int, max_startup_f
 
 def _free_partial_saves(root: Path) -> None:
     """A rank ended the job on a full disk: the partial folder of a save in flight (written in the background, its
-    writer ended with the job) holds space the person must free. No writer is alive now: remove it, say so."""
-    for name, held in remove_partial_saves(root):
+    writer ended with the job) holds space the person must free. No writer of this node is alive now (a rank on
+    another node that outlived mpirun could still write; the next launch's publisher fences and sweeps as ever):
+    remove it, say so. A failure here is said, never raised: the run's judgement stands."""
+    try:
+        removed = remove_partial_saves(root)
+    except OSError as e:
+        print(f"[nanotron-recover] the unpublished partial saves in {root} could not be removed: {e}", file=sys.stderr,
+              flush=True)
+        return
+    for name, held in removed:
         print(f"[nanotron-recover] removed the unpublished partial save {root / name} ({held / 2**20:.1f} MiB)",
               file=sys.stderr, flush=True)
 

@@ -43,13 +43,19 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lib.config import add_size_args, fresh_out_dir  # noqa: E402
+from benchmarks.lib.config import fresh_out_dir, parse_sized  # noqa: E402
 from benchmarks.lib.outside_faults import KILL, STOP, Fault, fault_mix  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, write_json  # noqa: E402
 from benchmarks.lib.side_by_side import SystemRun, clockwork_numbers, full_steps, max_dloss, ratio  # noqa: E402
 from benchmarks.lib.torchft_runner import INSTALL_HINT, peer_versions, torchft_available  # noqa: E402
-from benchmarks.vs_torchft import peer_figures, prepare_data, run_system  # noqa: E402
+from benchmarks.vs_torchft import (  # noqa: E402
+    check_complete,
+    peer_figures,
+    prepare_data,
+    run_system,
+    steps_to_run,
+)
 
 PUBLISHED = {"groups": 32, "cores": 16, "faults": 62, "minutes": 30, "kept_throughput": 0.977}
 SYSTEMS = ("recover+regrow", "torchft-mar")
@@ -87,12 +93,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--from-out", default=None,
                     help="run nothing: the figures of a finished run again, from its --out folder (for figures added "
                          "since it ran); its own arguments are used")
-    add_size_args(ap)
-    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=4096)  # the headline model
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    args = parse_sized(ap, argv, QUICK, vocab=4096)
     args.mean_gap_s = args.mean_gap_s or published_gap_s(args.replicas)
     args.stop_s = args.stop_s or 2 * args.hang_timeout_s
     return args
@@ -103,15 +104,11 @@ def run_pair(kind: str, args: argparse.Namespace, data: Path, out: Path) -> tupl
     faults = list(QUICK_FAULTS) if args.quick else fault_mix(args.seed, args.mean_gap_s, args.timeout_s,
                                                               args.stop_share, args.stop_s)[:args.max_faults]
     settings = {"hang_timeout_s": args.hang_timeout_s}
-    # torchft trains past N: its N-th committed step comes before the job's last
-    steps = args.steps + max(10, args.steps // 10) if kind.startswith("torchft") else args.steps
     runs = []
     for name, sent in (("ff", []), ("mix", faults)):
-        run = run_system(kind, args, data, out / f"{name}_{kind}", steps, copy.deepcopy(sent),
-                         relaunch_every_s=args.mean_gap_s, recover_settings=settings)
-        missing = [s for s in range(1, args.steps + 1) if s not in run.steps]
-        if missing:
-            raise RuntimeError(f"{kind} {name}: steps {missing[:10]} were never committed")
+        run = run_system(kind, args, data, out / f"{name}_{kind}", steps_to_run(kind, args.steps),
+                         copy.deepcopy(sent), relaunch_every_s=args.mean_gap_s, recover_settings=settings)
+        check_complete(run, args.steps)
         runs.append(run)
         print(f"[fault_mix] {kind} {name}: {args.steps} steps, {sum(k.pid is not None for k in run.kills)} faults",
               flush=True)

@@ -57,7 +57,7 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as ``python benchmarks/X.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lib.config import add_size_args, fresh_out_dir, make_config, size_from_args  # noqa: E402
+from benchmarks.lib.config import fresh_out_dir, make_config, parse_sized, size_from_args  # noqa: E402
 from benchmarks.lib.outside_faults import Fault, clockwork_faults  # noqa: E402
 from benchmarks.lib.record import write_record  # noqa: E402
 from benchmarks.lib.report import command_line, machine_line, md_table, median, write_json  # noqa: E402
@@ -107,12 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="only the Clockwork protocol: its table and the time-to-N ratio per T")
     ap.add_argument("--out", default="runs/bench/vs_torchft")
     ap.add_argument("--timeout-s", type=float, default=900, help="bound of each run")
-    add_size_args(ap)
-    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2, vocab=4096)  # the headline model
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    args = parse_sized(ap, argv, QUICK, vocab=4096)
     return args
 
 
@@ -180,7 +175,7 @@ def failure_free(args: argparse.Namespace, data: Path, out: Path, systems: list[
         order = systems[i % len(systems):] + systems[:i % len(systems)]
         for kind in order:
             run = run_system(kind, args, data, out / f"ff{i}_{kind}", args.steps, [])
-            _check_complete(run, args.steps)
+            check_complete(run, args.steps)
             runs[kind].append(run)
             print(f"[vs_torchft] failure-free {kind} #{i + 1}: median step {median_step_s(run) * 1e3:.1f} ms, "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -193,7 +188,7 @@ def one_fault(args: argparse.Namespace, data: Path, out: Path, systems: list[str
     for kind in systems:
         run = run_system(kind, args, data, out / f"fault_{kind}", args.steps, [Fault(after_step=args.fail_after,
                                                                                      replica=1)])
-        _check_complete(run, args.steps)
+        check_complete(run, args.steps)
         runs[kind] = run
         print(f"[vs_torchft] one fault {kind}: {run.last_step} steps, {run.extra.get('restarts', 0)} restarts",
               flush=True)
@@ -212,11 +207,10 @@ def clockwork(args: argparse.Namespace, data: Path, out: Path) -> dict[float, di
             # followed by one (by choice): its user gives the failure rate itself
             replicas = args.replicas + (1 if kind == "recover+spare" else 0)
             every = T if kind == "recover+regrow" else replicas * T
-            # torchft trains past N: its N-th step that used the full batch comes later than its N-th step
-            steps = N + max(10, N // 10) if kind.startswith("torchft") else N
+            steps = steps_to_run(kind, N)
             run = run_system(kind, args, data, out / f"clockwork_T{T:g}_{kind}", steps, copy.deepcopy(faults),
                              relaunch_every_s=every)
-            _check_complete(run, N)
+            check_complete(run, N)
             runs[T][kind] = run
             c = clockwork_numbers(run, N, args.micro_batch, M_of(args))
             print(f"[vs_torchft] clockwork T={T:g} {kind}: {N} steps in {c['time_to_n_s']:.1f} s, "
@@ -228,7 +222,13 @@ def M_of(args: argparse.Namespace) -> int:
     return args.replicas * args.accumulation
 
 
-def _check_complete(run: SystemRun, steps: int) -> None:
+def steps_to_run(kind: str, n: int) -> int:
+    """Steps a system is asked for to commit ``n``: torchft trains past N, its N-th step that used the full batch
+    comes later than its N-th step."""
+    return n + max(10, n // 10) if kind.startswith("torchft") else n
+
+
+def check_complete(run: SystemRun, steps: int) -> None:
     missing = [s for s in range(1, steps + 1) if s not in run.steps]
     if missing:
         raise RuntimeError(f"{run.name}: steps {missing[:10]} were never committed")

@@ -123,12 +123,27 @@ def add_size_args(ap) -> None:
     ap.add_argument("--vocab", type=int, default=d.vocab)
 
 
+HEADLINE_MODEL = dict(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model's size
+
+
 def add_headline_run_args(ap, out: str) -> None:
     """``--out`` (default ``out``), ``--timeout-s`` and the model-size flags, defaulting to the headline model."""
     ap.add_argument("--out", default=out)
     ap.add_argument("--timeout-s", type=float, default=900)
     add_size_args(ap)
-    ap.set_defaults(hidden=128, intermediate=512, layers=4, seq=128, micro_batch=2)  # the headline model
+    ap.set_defaults(**HEADLINE_MODEL)
+
+
+def parse_sized(ap, argv, quick: dict, **defaults):
+    """The model-size flags added (the headline model's size, ``defaults`` over it), ``argv`` parsed; with
+    ``--quick``, every setting of ``quick`` over what was parsed (a smoke test's size)."""
+    add_size_args(ap)
+    ap.set_defaults(**{**HEADLINE_MODEL, **defaults})
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in quick.items():
+            setattr(args, k, v)
+    return args
 
 
 def fresh_out_dir(args) -> Path:

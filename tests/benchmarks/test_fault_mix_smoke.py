@@ -13,15 +13,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from nanotron_recover.run.run_folder import read_metrics
+from tests.benchmarks.quick_run import run_quick
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420
 FP32_TOL = 1e-5  # the project's fp32 trajectory tolerance (README: the summation-order floor is ~1e-7)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
@@ -32,12 +29,7 @@ LINE = re.compile(r"^recover_kept_throughput=(\S+) torchft_kept_throughput=(\S+)
 def test_fault_mix_quick(tmp_path):
     pytest.importorskip("torchft", reason="torchft is an optional extra: pip install -e .[peers]")
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "fault_mix.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    m = LINE.match(proc.stdout.strip().splitlines()[-1])
-    assert m, f"unexpected last line: {proc.stdout.strip().splitlines()[-1]!r}"
-    recover_kept, torchft_kept, recover_dloss, torchft_dloss = (float(v) for v in m.groups())
+    recover_kept, torchft_kept, recover_dloss, torchft_dloss = run_quick("fault_mix.py", out, TIMEOUT_S, LINE)
     assert 0 < recover_kept and 0 < torchft_kept and math.isfinite(torchft_dloss)
     assert recover_dloss <= FP32_TOL, f"ReCoVer left its failure-free trajectory: max |dloss| {recover_dloss}"
 

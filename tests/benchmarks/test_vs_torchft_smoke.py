@@ -15,13 +15,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.quick_run import run_quick
+
 TIMEOUT_S = 300
 FP32_TOL = 1e-5  # the project's fp32 trajectory tolerance (README: the summation-order floor is ~1e-7)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
@@ -32,12 +30,7 @@ LINE = re.compile(r"^recover_vs_torchft_time_to_N=(\S+) recover_vs_torchft_overh
 def test_vs_torchft_quick(tmp_path):
     pytest.importorskip("torchft", reason="torchft is an optional extra: pip install -e .[peers]")
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_torchft.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    m = LINE.match(proc.stdout.strip().splitlines()[-1])
-    assert m, f"unexpected last line: {proc.stdout.strip().splitlines()[-1]!r}"
-    time_ratio, overhead_ratio, recover_dloss, torchft_dloss = (float(v) for v in m.groups())
+    time_ratio, overhead_ratio, recover_dloss, torchft_dloss = run_quick("vs_torchft.py", out, TIMEOUT_S, LINE)
     assert math.isfinite(time_ratio) and time_ratio > 0 and math.isfinite(overhead_ratio) and overhead_ratio > 0
     assert recover_dloss <= FP32_TOL, f"ReCoVer left its failure-free trajectory: max |dloss| {recover_dloss}"
     assert math.isfinite(torchft_dloss)

@@ -130,22 +130,24 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 
 # ---------------------------------------------------------------------------------------------- hang detector
 # Every fault-tolerant run of the suite has the hang monitor on. At the end of the session, scan every run dir the
-# tests made: a ``hang_detected`` event in a run that injected no SIGSTOP / hang is a false alarm (it fails the
-# session); the closest any run came to its timeout is printed (the margin), and so is every repair round that
-# found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting). A hang in a
-# run of an attempt that Open MPI's own crash failed (that test ran once more) is listed apart: a rank crashed
-# inside libmpi left its peers waiting, and the hang monitor bounded that wait, as it must.
+# tests made: a ``hang_detected`` event in a run that injected no SIGSTOP / hang, or before it did, is a false alarm
+# (it fails the session); the closest any run came to its timeout is printed (the margin), and so is every repair
+# round that found no dead rank (``repair_without_failure``: logged, harmless to the trajectory, worth counting). A
+# hang in a run of an attempt that Open MPI's own crash failed (that test ran once more) is listed apart: a rank
+# crashed inside libmpi left its peers waiting, and the hang monitor bounded that wait, as it must.
 def _scan_run_records(base: Path, crashed: list[Path] = ()) -> dict[str, list]:
 
-    from nanotron_recover.run.run_folder import METRICS_FILE, has_provoked_hang, read_exits
+    from nanotron_recover.run.run_folder import METRICS_FILE, hang_provoked_at, read_exits
 
     found: dict[str, list] = {"false_alarms": [], "margins": [], "without_failure": [], "after_crash": []}
     for metrics in base.rglob(METRICS_FILE):
         run_dir = metrics.parent
-        # a scheduled freeze or hang, or a signal sent from outside (a frozen rank, an orphaning kill of mpirun)
-        expected = has_provoked_hang(run_dir)
+        # a scheduled freeze or hang, or a signal sent from outside (a frozen rank, an orphaning kill of mpirun):
+        # hang events from its time on are expected, earlier ones are not
+        provoked_at = hang_provoked_at(run_dir)
+        expected = provoked_at is not None
         for line in metrics.read_text(errors="replace").splitlines():
-            if '"hang_detected"' in line and not expected:
+            if '"hang_detected"' in line and (not expected or _event_time(line) < provoked_at):
                 after_crash = any(run_dir.is_relative_to(path) for path in crashed)
                 found["after_crash" if after_crash else "false_alarms"].append(f"{run_dir}: {line[:300]}")
             if '"repair_without_failure"' in line:
@@ -155,6 +157,16 @@ def _scan_run_records(base: Path, crashed: list[Path] = ()) -> dict[str, list]:
             if margin and not expected:
                 found["margins"].append(margin)
     return found
+
+
+def _event_time(line: str) -> float:
+    """A hang event's wall time (a line without one reads as late: never before a fault)."""
+    import json
+
+    try:
+        return float(json.loads(line).get("wall_time") or float("inf"))
+    except (ValueError, AttributeError):
+        return float("inf")
 
 
 def _remove_left_snapshots(base: Path) -> None:

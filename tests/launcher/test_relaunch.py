@@ -303,3 +303,67 @@ def test_a_narrower_launchs_standby_waits_for_the_narrower_launchs_ranks(tmp_pat
     relauncher._keep_standby()
     assert started == [2]
     assert relauncher._new_standby(["mpirun"], (), spec.world_size) and started == [2, 4]
+
+
+def test_a_node_that_goes_silent_while_the_relaunch_waits_for_its_standby_is_left_out(tmp_path):
+    """The nodes are asked when the job ends; when the relaunch then waits for its standby, a node may go silent
+    meanwhile (seen on the isolated-node bed: the launch at full width hung on it, costing a launch). The nodes are
+    asked again after the wait, so the relaunch is narrower and cold (the standby was shaped for both nodes)."""
+    from nanotron_recover.launcher.node_fit import NodeFit
+    from nanotron_recover.launcher.relauncher import JobSpec, Relauncher
+    from nanotron_recover.launcher.slurm_nodes import Allocation, Node
+
+    class Answers(Allocation):  # the nodes answer as the test says (no ssh, no Slurm here)
+        def still_allocated(self) -> list[Node]:
+            return list(self.nodes)
+
+        def answers(self, node: str) -> bool:
+            return node not in silent
+
+    class ImportingStandby:  # the launcher's view of a standby whose n2 ranks froze with their node while it waited
+        nodes_out, waited, cancelled = (), False, False
+        looks = 0
+
+        def look_now(self) -> None:
+            pass
+
+        def ready(self) -> bool:
+            self.looks += 1
+            if self.looks >= 3:
+                silent.add("n2")  # the node went silent during the wait
+            return self.looks >= 5
+
+        def ended(self) -> bool:
+            return False
+
+        def broken(self) -> None:
+            return None
+
+        def why_not(self) -> str:
+            return "rank(s) [2, 3] still importing"
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    silent: set[str] = set()
+    standby = ImportingStandby()
+    fit = NodeFit(Answers("7", [Node("n1", 2), Node("n2", 2)], batch_node="n1"), ranks_per_replica=2, replicas=2,
+                  spares=0, microbatches=4, min_replicas=1, full_cmd=["mpirun", "-n", "4", "train"],
+                  reshape=lambda r, hosts: ["mpirun", "--host", hosts, "-n", str(2 * r), "train"])
+    spec = JobSpec(["mpirun", "-n", "4", "train"], tmp_path, 4, (), 10.0, 25.0, 2, False, replicas=2,
+                   ranks_per_replica=2, nodes=fit)
+    records: list[dict] = []
+    launched: list[list[str]] = []
+
+    def cold(cmd, stop, tick) -> int:
+        launched.append(cmd)
+        if len(launched) == 1:
+            relauncher.standby = standby  # started beside launch 1 (it trained), importing when launch 1 ends
+            return EXIT_RESTART
+        return 0
+
+    relauncher = Relauncher(spec, judge=lambda rc: rc, begin=records.append, launch_cold=cold)
+    assert relauncher.run() == 0
+    assert [(r["warm"], r["replicas"], r["nodes_out"]) for r in records] == [(False, 2, []), (False, 1, ["n2"])]
+    assert launched[1] == ["mpirun", "--host", "n1:2", "-n", "2", "train"] and standby.cancelled
+    assert standby.waited  # it was waited for once, not again by the launch

@@ -18,7 +18,13 @@ import pytest
 
 from nanotron_recover.run import fence
 from nanotron_recover.run.fence_audit import writes_after_replacement
-from nanotron_recover.run.run_folder import begin_launch, read_exits, read_metrics_jsonl, record_external_fault
+from nanotron_recover.run.run_folder import (
+    EXTERNAL_PREFIX,
+    begin_launch,
+    fault_marker_path,
+    read_exits,
+    read_metrics_jsonl,
+)
 
 WRITER = """import sys
 from pathlib import Path
@@ -95,7 +101,9 @@ def test_the_audit_names_what_a_replaced_launch_wrote(tmp_path):
     launches = [{"launch": 1, "time": 100.0, "token": "aaaa", "world_size": 4},
                 {"launch": 2, "time": 200.0, "token": "bbbb", "world_size": 2}]
     (tmp_path / "launches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in launches))
-    record_external_fault(tmp_path, "hangs-written-by-hand")  # the session's false-alarm scan: these are made up
+    marker = fault_marker_path(tmp_path, f"{EXTERNAL_PREFIX}hangs-written-by-hand")  # the session's false-alarm
+    marker.parent.mkdir()  # scan: these hangs are made up, "provoked" from t=0 on (before their made-up times)
+    marker.write_text(json.dumps({"external": "hangs-written-by-hand", "time": 0.0}))
     lines = [{"step": 1, "loss": 1.0, "time": 150.0, "launch": "aaaa"},
              {"step": 2, "loss": 1.0, "time": 201.0, "launch": "bbbb"},
              {"event": "hang_detected", "by_rank": 1, "wall_time": 202.0, "launch": "bbbb"}]

@@ -13,7 +13,7 @@ from nanotron_recover.run.exit_codes import EXIT_ABORTED, EXIT_RESTART
 from nanotron_recover.run.run_folder import (
     begin_launch,
     exit_reasons,
-    has_provoked_hang,
+    hang_provoked_at,
     last_logged_step,
     read_exits,
     read_kills,
@@ -67,7 +67,7 @@ def test_read_kills_reads_the_injectors_records(tmp_path: Path, monkeypatch: pyt
     FailureInjector([{"step": 2, "replica": 0, "rank": 1, "phase": "reduce"}], 0, 1,
                     run_dir=tmp_path).maybe_fail(2, "reduce")
     assert len(kills) == 2
-    assert not has_provoked_hang(tmp_path)  # kills end a rank: no hang is expected
+    assert hang_provoked_at(tmp_path) is None  # kills end a rank: no hang is expected
     startup = FailureSpec.from_dict({"step": 0, "replica": 1, "rank": 0, "phase": "startup", "at": "after_mpi_init",
                                      "signal": "hang"})
     record_fired_fault(tmp_path, marker_name(startup), {"step": 0, "replica": 1, "rank": 0, "phase": "startup",
@@ -79,7 +79,8 @@ def test_read_kills_reads_the_injectors_records(tmp_path: Path, monkeypatch: pyt
         (3, 1, 0, "backward", None, "kill"), (2, 0, 1, "reduce", None, "kill"),
         (0, 1, 0, "startup", "after_mpi_init", "hang")]  # the external marker is not a scheduled fault
     assert all(isinstance(k["time"], float) for k in found) and found[0]["time"] <= found[1]["time"]
-    assert has_provoked_hang(tmp_path)
+    hang_fault = next(k for k in found if k["signal"] == "hang")
+    assert hang_provoked_at(tmp_path) == hang_fault["time"]  # the first of the hang and the outside stop
     assert read_kills(tmp_path / "elsewhere") == []
 
 

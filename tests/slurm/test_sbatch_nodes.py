@@ -224,10 +224,12 @@ def test_on_two_nodes_the_standby_is_a_second_job_step_and_a_lost_daemon_costs_a
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and not relaunch_trained(run_dir, steps=20):
         time.sleep(0.05)
-    subprocess.run(["scancel", "--signal=USR1", "-b", str(job)], env=two_nodes.env, timeout=30, check=True)
+    signalled = subprocess.run(["scancel", "--signal=USR1", "-b", str(job)], env=two_nodes.env, timeout=30,
+                               capture_output=True, text=True)  # a job that already ended: its log says why, below
 
     info = two_nodes.wait(job, timeout_s=180)
     output = log.read_text(errors="replace") if log.exists() else ""
+    assert signalled.returncode == 0, (signalled.stderr, info, output[-6000:])
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, output[-4000:])  # stopped, no requeue
     assert info["Restarts"] == "0" and "requeueing" not in output, (info, output[-4000:])
     assert "relaunching in place from the warm standby" in output, output[-4000:]

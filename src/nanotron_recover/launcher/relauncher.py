@@ -19,7 +19,8 @@ through the graceful stop (SIGUSR1 to ``mpirun``) and relaunches it in place at 
 In a Slurm allocation of several nodes, each relaunch first asks the nodes whether they answer
 (:mod:`nanotron_recover.launcher.node_fit`): a relaunch after a node was lost runs on the others at the width
 that fits, and comes back to full width once the node answers again (a standby at full width is started, then the
-regrow).
+regrow). When the relaunch first waits for its standby to finish importing, the nodes are asked again after the
+wait: a node that went silent during it is not launched on.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class Relauncher:
                         f"relaunch in place, exit {code} for the scheduler")
                     return code
                 if self.spec.nodes is not None:
-                    fitted = self.spec.nodes.fit(say)
+                    fitted = self._fit_nodes()
                     if fitted is None or self.stop.requested:
                         return code  # not enough nodes answer, or a stop came during the probe: the scheduler's turn
                     self.cmd, self.replicas = fitted
@@ -153,6 +154,14 @@ class Relauncher:
         finally:
             if self.standby is not None:
                 self.standby.cancel()
+
+    def _fit_nodes(self) -> tuple[list[str], int] | None:
+        """Ask the nodes which answer; when a standby shaped for them is still importing, wait for it first and ask
+        again after the wait (a node may have gone silent meanwhile: the answer the launch follows is fresh)."""
+        fitted = self.spec.nodes.fit(say)
+        if fitted is not None and not self.stop.requested and self._standby_fits() and self._wait_for(self.standby):
+            fitted = self.spec.nodes.fit(say)
+        return fitted
 
     def _nodes_out(self) -> tuple[str, ...]:
         return self.spec.nodes.out if self.spec.nodes is not None else ()
@@ -171,9 +180,8 @@ class Relauncher:
                   **({"regrow": self._regrow} if self._regrow is not None else {})}
         self._mark_start()
         if standby is not None:
-            standby.look_now()
-        if standby is not None and not standby.ready():
             self._wait_for(standby)
+            standby.look_now()
         if self.stop.requested:  # a launch started now would only be stopped, its ranks perhaps before they can be
             say(f"a stop signal came before launch {len(read_launches(self.spec.run_dir)) + 1} began: none is "
                 f"started (exit {EXIT_RESTART})")
@@ -198,16 +206,20 @@ class Relauncher:
         self._previous_ended = time.time()
         return self.judge(rc)
 
-    def _wait_for(self, standby: Standby) -> None:
-        """The job ended while its standby was still importing: wait for it (bounded), as a cold launch would
-        import the same from the start."""
-        if standby.ended() or standby.broken() is not None or self.stop.requested:
-            return
+    def _wait_for(self, standby: Standby) -> bool:
+        """The job ended while its standby was still importing: wait for it (bounded, once), as a cold launch would
+        import the same from the start. True when it waited."""
+        standby.look_now()
+        if standby.waited or standby.ready() or standby.ended() or standby.broken() is not None \
+                or self.stop.requested:
+            return False
+        standby.waited = True
         say(f"waiting for the warm standby ({standby.why_not()})")
         deadline = time.monotonic() + STANDBY_WAIT_S
         while not standby.ready() and not standby.ended() and standby.broken() is None and not self.stop.requested \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
+        return True
 
     def _mark_start(self) -> None:
         self._standby_starts, self._back_heard, self._regrow = 0, None, None

@@ -83,6 +83,7 @@ class Standby:
         self.world_size = world_size
         self.token = token_in(cmd)
         self.started, self.announced = time.time(), False  # when it was started; its readiness logged
+        self.waited = False  # a launch waited for it once already (a second wait would only repeat the first)
         self._seen: dict[int, int] = {}  # world rank -> pid, of its ranks seen alive on this node
         self._looked_at, self._broken = 0.0, None  # the last look at its ranks (a /proc scan: at most every 0.5 s)
         # the launch contract's standby fields (its token is the launch line's already)

@@ -388,11 +388,13 @@ def read_kills(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(kills, key=lambda k: (k.get("time") is None, k.get("time") or 0.0, k["step"]))
 
 
-def has_provoked_hang(run_dir: Path) -> bool:
-    """Whether a fault of this run froze or hung a rank on purpose (a scheduled stop/hang, or anything sent from
-    outside), so its hang events are expected rather than false alarms."""
-    return any(name.startswith(EXTERNAL_PREFIX) or r.get("signal") in HANG_SIGNALS
-               for name, r in _fault_records(run_dir))
+def hang_provoked_at(run_dir: Path) -> float | None:
+    """When a fault of this run first froze or hung a rank on purpose (a scheduled stop/hang, or anything sent from
+    outside): its hang events from then on are expected, earlier ones are false alarms. None: no such fault (a
+    record without a time counts from the start)."""
+    times = [float(r.get("time") or 0.0) for name, r in _fault_records(run_dir)
+             if name.startswith(EXTERNAL_PREFIX) or r.get("signal") in HANG_SIGNALS]
+    return min(times) if times else None
 
 
 # ------------------------------------------------------------------------------------------------ hangs

@@ -187,11 +187,14 @@ ROWS: tuple[Row, ...] = (
         "{recover_regrow_vs_torchft_time_to_N_full_batch_T40:.3f}",
         "> 1: ReCoVer sooner; every relaunch warm, the stop 1 step after the launcher's decision. Against torchft "
         "0.2.0 on torch 2.13 (its group rebuilt at each quorum change; seed 0, the 2-core Intel machine, 2026-12-07): "
-        "1.347, 1.046, 1.077; before regrow (2026-12-04): 0.985, 0.867, 0.841. One run per T and one seed: at 20 and "
-        "40 s (3-10 kills) read the ratio with the spread between runs; three seeds and two N are issue #56's",
+        "1.347, 1.046, 1.077; before regrow (2026-12-04): 0.985, 0.867, 0.841. Against the nightly, by seed (same "
+        "machine, 2026-12-07): seed 1 1.247, 1.098, 1.150; seed 2 1.302, 0.983 (torchft sooner), 1.035. One run per "
+        "T and seed: at 20 and 40 s (4-11 kills) read the ratio with the spread between runs and seeds; seed 0 and a "
+        "second N are issue #56's",
         ("time to 1000 steps, a replica killed every T s, 2 processes", "torchft ({peer_torchft}, torch "
          "{peer_torch}) / ReCoVer with regrow {recover_regrow_vs_torchft_time_to_N_T10:.3f} (T = 10 s), "
-         "{recover_regrow_vs_torchft_time_to_N_T40:.3f} (40 s); > 1: ReCoVer sooner")),
+         "{recover_regrow_vs_torchft_time_to_N_T20:.3f} (20 s), {recover_regrow_vs_torchft_time_to_N_T40:.3f} "
+         "(40 s); > 1: ReCoVer sooner")),
     Row("vs_torchft_clockwork_spare", "the same, ReCoVer with one spare replica (3 processes)",
         _TORCHFT_T.replace("recover_vs", "recover_spare_vs"),
         "the spare takes a dead replica's slot at once; once it is used, as above"),

@@ -147,7 +147,7 @@ def _scan_run_records(base: Path, crashed: list[Path] = ()) -> dict[str, list]:
         provoked_at = hang_provoked_at(run_dir)
         expected = provoked_at is not None
         for line in metrics.read_text(errors="replace").splitlines():
-            if '"hang_detected"' in line and (not expected or _event_time(line) < provoked_at):
+            if '"hang_detected"' in line and (provoked_at is None or _event_time(line) < provoked_at):
                 after_crash = any(run_dir.is_relative_to(path) for path in crashed)
                 found["after_crash" if after_crash else "false_alarms"].append(f"{run_dir}: {line[:300]}")
             if '"repair_without_failure"' in line:

@@ -68,7 +68,11 @@ def test_a_full_disk_at_a_checkpoint_ends_the_job_for_a_person_and_loses_nothing
         # the disk full, or by the launcher once the job ended (another write of the run found it full first)
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4", "latest.txt"], tail
         assert not [e for e in full.events if e.get("event") == "hang_detected"], tail
-        assert any(e.get("disk_full") and e["code"] == EXIT_NEEDS_PERSON for e in read_exits(run).values()), tail
+        # the rank's exit record says it, unless the disk was too full even for that: another write of the run (a
+        # metrics line) found it full while the save in flight still held its space (seen in a suite run); then the
+        # launcher, which sees the free space itself once no writer is alive, removed that save and said so
+        recorded = any(e.get("disk_full") and e["code"] == EXIT_NEEDS_PERSON for e in read_exits(run).values())
+        assert recorded or "removed the unpublished partial save" in full.output, tail
         committed = [int(r["step"]) for r in read_metrics_jsonl(run) if "event" not in r]
 
         assert _mount_tmpfs(small, 65536, remount=True) is None  # space freed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from nanotron_recover.launcher.runs import final_checkpoint, max_loss_diff, max_relative_param_diff, run_training
+from nanotron_recover.run.run_folder import read_metrics_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +31,15 @@ def recycle_config(tiny_config, inject: list[dict]) -> dict:
         fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01, "hang_timeout_s": 30,
                          "collective_timeout_s": 20, "local_snapshot_interval": 0, "inject": inject},
     )
+
+
+def tp2_config(tiny_config, inject: list[dict], *, dp: int, steps: int, hang_timeout_s: float,
+               collective_timeout_s: float, **shape: int) -> dict:
+    """``dp`` replicas x TP2, no pipeline, recycling on, a checkpoint at step 10, no node-local snapshots."""
+    return tiny_config(dp=dp, tp=2, pp=1, accumulation=2, steps=steps, checkpoint_interval=10, **shape,
+                       fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01,
+                                        "hang_timeout_s": hang_timeout_s, "collective_timeout_s": collective_timeout_s,
+                                        "local_snapshot_interval": 0, "inject": inject})
 
 
 _REFERENCE: list = []
@@ -122,10 +132,7 @@ def test_the_donor_dying_in_the_transfer_hands_it_to_another_replica(tiny_config
     completes and coordinate 1's waits until the hang detector kills the frozen rank: the whole transfer is done
     again from replica 3 (coordinate 0's too), and replica 0's survivor waits in the pool, where it dies at step 8."""
     def config(inject):
-        return tiny_config(dp=4, tp=2, pp=1, accumulation=2, steps=10, checkpoint_interval=10,
-                           fault_tolerance={"enabled": True, "recycle": True, "reduce_bucket_mb": 0.01,
-                                            "hang_timeout_s": 8, "collective_timeout_s": 20,
-                                            "local_snapshot_interval": 0, "inject": inject})
+        return tp2_config(tiny_config, inject, dp=4, steps=10, hang_timeout_s=8, collective_timeout_s=20)
     reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
     inject = [{"step": 3, "replica": 1, "rank": 0, "phase": "backward"},
               {"step": 5, "replica": 2, "rank": 1, "phase": "reduce"},
@@ -169,6 +176,36 @@ def test_two_replicas_broken_in_one_step_form_a_replica_without_a_false_hang_kil
     assert [s["step"] for s in result.steps] == list(range(1, 9)) and all(s["microbatches"] == 6 for s in result.steps)
     assert result.steps[-1]["live_replicas"] == 2, result.steps[-1]  # replica 2 and the one formed from the pool
     assert result.events_of("hang_detected") == [], result.events_of("hang_detected")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_mates_lost_in_the_update_form_their_replica_at_the_step_where_the_others_meet_the_loss(tiny_config,
+                                                                                               tmp_path):
+    """3 replicas x TP2, recycling: one rank each of replicas 1 and 2 dies as the update of step 4 begins (the step
+    is committed). Their mates are pooled inside that update; replica 0 has finished its own and meets the loss in
+    step 5's reduction. The new replica is formed at step 5's boundary on every rank, and training goes on with
+    the failure-free losses and weights through the checkpoint of step 10 (a suite run once saw mates pooled in the
+    update form their replica at step 4's boundary, which replica 0 had passed: the new replica counted steps and
+    stepped its LR one behind replica 0's, and both deadlocked at the checkpoint)."""
+    def config(inject: list[dict]) -> dict:
+        return tp2_config(tiny_config, inject, dp=3, steps=12, hang_timeout_s=30, collective_timeout_s=60, layers=2)
+    reference = run_training(config([]), tmp_path / "ref", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    inject = [{"step": 4, "replica": 1, "rank": 1, "phase": "optimizer"},
+              {"step": 4, "replica": 2, "rank": 0, "phase": "optimizer"}]
+    result = run_training(config(inject), tmp_path / "run", timeout_s=TIMEOUT_S, extra_args=["--synthetic-data"])
+    tail = result.output[-6000:]
+    logged = [r["step"] for r in read_metrics_jsonl(result.run_dir) if "event" not in r and "step" in r]
+    assert logged == list(range(1, 13)), (logged, tail)  # each step once, by one logging rank
+    assert all(s["microbatches"] == 6 for s in result.steps), tail
+    (formed,) = result.events_of("replica_formed")
+    assert formed["step"] == 5 and sorted(m["rank"] for m in formed["members"]) == [2, 5], formed
+    assert [s["live_replicas"] for s in result.steps if s["step"] in (4, 5, 6)] == [3, 1, 2], tail
+    assert result.events_of("hang_detected") == [], tail
+    diff = max_loss_diff(result, reference)
+    rel = max_relative_param_diff(final_checkpoint(result.run_dir), final_checkpoint(reference.run_dir))
+    assert diff <= TOL and rel <= TOL, f"max |dloss| {diff:.2e}, weights {rel:.2e}\n{tail}"
+    print(f"\nrecycle, mates lost in the update of step 4: replica {formed['replica']} formed at step 5 of ranks "
+          f"{[m['rank'] for m in formed['members']]}; max |dloss| {diff:.2e}; final weights rel. diff {rel:.2e}")
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -248,10 +248,31 @@ def test_a_spare_that_replaced_a_replica_lost_in_a_checkpoint_save_computes_only
     assert writers == [True, True]  # replica 0 wrote, and wrote again after the repair
     assert strategy.roster.active == [0, 2] and strategy.holders == {0}
     assert strategy._plan(STEP + 1) == {0: list(range(strategy.M))}  # step-local indices: all M
+    result = strategy.forward_backward_reduce(STEP + 1, services(training, Sink()))  # commits in the new epoch
+    assert result.microbatches == strategy.M and result.quotas == {0: strategy.M}
     strategy.after_commit(STEP + 1, training, services(training, Sink()))
     assert strategy.holders == {0, 2} and world.active_sets == [[0, 2]]
     by_slot = plan_step(STEP + 2, strategy.M, [0, 1])
     assert strategy._plan(STEP + 2) == {0: by_slot[0], 2: by_slot[1]}
+
+
+def test_a_repair_after_the_commit_waits_for_the_next_commit_to_activate_its_spare() -> None:
+    """A replica lost after step STEP committed (inside its update): this rank applied the repair before its step
+    boundary, the other ranks meet the loss in step STEP + 1. No state transfer at STEP's boundary (the others have
+    passed it: its collectives would match their next step's); the spare gets the state at STEP + 1's."""
+    strategy, world, training = make(dp=2, spares=1)
+    world.others_per_microbatch = world.others_microbatches = len(plan_step(STEP, strategy.M, [0, 1])[1])
+    strategy.forward_backward_reduce(STEP, services(training, Sink()))  # committed in epoch 0
+    world.others_per_microbatch = world.others_microbatches = 0  # replica 0 alone computes the next step
+    world.next_failure = [1]
+    strategy.repair(services(training, Sink()), STEP, "in-step")  # epoch 1: the spare takes slot 1
+    assert strategy.roster.active == [0, 2] and strategy.membership.ahead_of_commit()
+    strategy.after_commit(STEP, training, services(training, Sink()))
+    assert world.active_sets == [] and world.bcasts == [] and strategy.holders == {0}
+    strategy.forward_backward_reduce(STEP + 1, services(training, Sink()))  # replica 0 computes all M, epoch 1
+    assert not strategy.membership.ahead_of_commit()
+    strategy.after_commit(STEP + 1, training, services(training, Sink()))
+    assert world.active_sets == [[0, 2]] and world.bcasts and strategy.holders == {0, 2}
 
 
 def test_no_checkpoint_is_written_when_no_replica_holds_the_committed_state() -> None:

@@ -29,8 +29,11 @@ PR_SET_PDEATHSIG = 1
 OUTLIVING_BOUND_S = 5.0  # ranks left by mpirun on the stock path (no graceful stop) are ended after this
 # the runtime tearing the job down after a node's daemon was lost: which line it prints depends on which it notices
 # first, the daemon's silence or the end of the process that started it (ssh exits 255 once its node is gone; seen
-# on the isolated-node bed: "failed to report back" alone, and the job taken for stopped by the scheduler)
-LOST_DAEMON = ("PRTE has lost communication with a remote daemon", "A daemon failed to report back")
+# on the isolated-node bed: "failed to report back" alone, and the job taken for stopped by the scheduler; under
+# Slurm, the daemon's job step ended: "srun returned non-zero exit status (N) from launching the per-node daemon"
+# alone, seen in a suite run on the isolated-node Slurm bed)
+LOST_DAEMON = ("PRTE has lost communication with a remote daemon", "A daemon failed to report back",
+               "srun returned non-zero exit status")
 
 
 def _die_with_launcher() -> None:

@@ -310,8 +310,10 @@ def _stop_for_person(trainer: Any, e: NeedsPerson) -> tuple[int, str, dict]:
 
 
 def _end_for_full_disk(dp: Any, error: Exception) -> None:
-    """A write of this rank found no space: say it in one line, record it (the partial checkpoint is gone, so the
-    record fits), and end the whole job at once: nobody waits for this rank to be judged hung."""
+    """A write of this rank found no space: say it in one line, record it (when the checkpoint's own write found
+    it, its partial folder is gone and the record fits; when another write did, a save in flight may still hold the
+    space, and the launcher looks at the free space itself), and end the whole job at once: nobody waits for this
+    rank to be judged hung."""
     config, run_dir = dp.config, dp.lifecycle.run_dir or Path(".")
     path = str(config.checkpoints.checkpoints_path) if config.checkpoints is not None else "checkpoints"
     latest = run_folder.latest_checkpoint_step(run_dir, path)

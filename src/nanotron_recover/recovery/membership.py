@@ -27,6 +27,7 @@ class Membership:
         self.holders: set[int] = set(roster.active)
         self.activation_due = False
         self.applied = len(ft.events)
+        self.commit_epoch = ft.epoch  # the world epoch the last step committed in (the same on every rank)
         self._pool_before: list[int] = []  # the pool before the last repairs applied (for ``pool_changed``)
 
     def seat(self) -> tuple[int | None, int | None]:
@@ -48,9 +49,19 @@ class Membership:
         self.activation_due |= any(change.replacements for change in changes)
         return changes
 
-    def committed(self, replicas: Any) -> None:
-        """``replicas`` computed and committed the step: they hold its state."""
-        self.holders = set(replicas)
+    def committed(self, replicas: Any, epoch: int) -> None:
+        """``replicas`` computed and committed the step, in world epoch ``epoch``: they hold its state."""
+        self.holders, self.commit_epoch = set(replicas), epoch
+
+    def ahead_of_commit(self) -> bool:
+        """Whether this rank applied a repair of a later epoch than the one the last step committed in. A
+        replica-mate lost inside the update pools this rank there, after the commit, while the other replicas meet
+        that loss only in the next step's collectives: a formation or state transfer at this boundary, which the
+        others have passed, would match their next step's collectives (seen: a replica formed one step behind the
+        donor's step count and LR, then a deadlock at the next checkpoint). Every rank applied every repair up to
+        the commit epoch before committing, so deciding on those alone is the same decision on every rank: the
+        rest waits for the next step's boundary."""
+        return any(event.epoch > self.commit_epoch for event in self.ft.events[:self.applied])
 
     def activated(self) -> None:
         """Every new replica received the committed state (the spare activation's agreement)."""

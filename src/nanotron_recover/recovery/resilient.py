@@ -175,7 +175,7 @@ class ResilientDataParallel(DataParallelStrategy):
             plan, todo = self._recover(services, step, plan, repaired)
         if self.buckets is not None:
             self.buckets.release(step)  # committed: the snapshots are no longer needed
-        self.membership.committed(plan)  # the replicas that computed and committed this step, still alive
+        self.membership.committed(plan, epoch)  # who computed and committed this step, still alive; in which epoch
         balance = self.step_stats.observe(self.roster)  # the committed attempt's speeds
         stop = self.step_stats.stop_at(step)  # the job's last step: a rank got a stop signal (the launcher's too)
         self.snapshot_schedule.commit(step, self.step_stats.snapshot_sums(), last=stop is not None)
@@ -321,10 +321,13 @@ class ResilientDataParallel(DataParallelStrategy):
             accumulator.bind_master_grads()
 
     def after_commit(self, step: int, state: TrainingState, services: StepServices) -> None:
-        """Recycling forms new replicas; spares and new replicas that took a slot get the committed state."""
-        self.membership.activation_due |= self.formation.form(step, state, services)
+        """Recycling forms new replicas; spares and new replicas that took a slot get the committed state. Both
+        wait while this rank holds a repair newer than the step's commit (:meth:`Membership.ahead_of_commit`)."""
+        ahead = self.membership.ahead_of_commit()  # decided before forming: a repair inside a formation is this step's
+        if not ahead:
+            self.membership.activation_due |= self.formation.form(step, state, services)
         self.progress(step, Phase.SPARE_ACTIVATION)
-        if self.membership.activation_due:
+        if self.membership.activation_due and not ahead:
             activate_new_replicas(self.ft, self.roster, step, state, services, formed_at=self.formation.formed_at,
                                   min_replicas=self.min_replicas, computes=self.computes,
                                   repair=lambda epoch: self.repair(services, step, Phase.SPARE_ACTIVATION, epoch))

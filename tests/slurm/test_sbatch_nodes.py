@@ -302,11 +302,11 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     assert "n2 did not run a job step" in output and "n2 answer again" in output, _story(run_dir, output)
     # full width, node 2 out, full width again (and on this loaded 2-core machine maybe more relaunches at full
     # width: a rank stalled past the hang timeout is evicted in-step, and the job regrows again)
-    shapes = [(r["replicas"], r["nodes_out"]) for r in read_launches(run_dir)]
+    launches = read_launches(run_dir)
+    shapes = [(r["replicas"], r["nodes_out"]) for r in launches]
     assert shapes[:3] == [(2, []), (1, ["n2"]), (2, [])] and all(s == (2, []) for s in shapes[3:]), \
         _story(run_dir, output)
     # back at full width: from a standby started at full width once node 2 answered
-    launches = read_launches(run_dir)
     assert launches[2]["warm"], _story(run_dir, output)
     lines = read_metrics_jsonl(run_dir)
     records = [r for r in lines if "event" not in r and "step" in r]
@@ -335,7 +335,7 @@ def test_a_node_really_lost_costs_a_relaunch_on_the_other_and_the_job_regrows_on
     regrow_step = stopped_after[back[0]["step"]]
     assert len(logged) - steps <= 2, logged  # replays: the loss
     assert widths[regrow_step] == 1
-    narrow_first = next(r["time"] for r in records if r["time"] > read_launches(run_dir)[1]["time"])
+    narrow_first = next(r["time"] for r in records if r["time"] > launches[1]["time"])
     stop_at = next(r["time"] for r in records if r["step"] == regrow_step)
     wide_first = next(r["time"] for r in records if r["time"] > stop_at)
     print(f"\nSlurm, 2 nodes: node 2 lost (slurmd too): training on node 1 alone {narrow_first - killed_at:.1f} s "

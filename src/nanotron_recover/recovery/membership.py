@@ -60,8 +60,8 @@ class Membership:
         others have passed, would match their next step's collectives (seen: a replica formed one step behind the
         donor's step count and LR, then a deadlock at the next checkpoint). Every rank applied every repair up to
         the commit epoch before committing, so deciding on those alone is the same decision on every rank: the
-        rest waits for the next step's boundary."""
-        return any(event.epoch > self.commit_epoch for event in self.ft.events[:self.applied])
+        rest waits for the next step's boundary. (The events are in epoch order: the newest applied one tells.)"""
+        return self.applied > 0 and self.ft.events[self.applied - 1].epoch > self.commit_epoch
 
     def activated(self) -> None:
         """Every new replica received the committed state (the spare activation's agreement)."""
